@@ -1,0 +1,100 @@
+"""The draft engine: sessions over one drafter (torch, llama.cpp or n-gram). No network."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from draft_service.drafters import Drafter, DraftSequence, SparseDist
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdec.sampling import SamplingParams, make_generator
+
+MAX_K = 64
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    dists: list[SparseDist]
+    draft_ms: float
+
+
+@dataclass
+class _Session:
+    seq: DraftSequence
+    sampling: SamplingParams
+    max_support: int
+    lock: threading.Lock
+
+
+class DraftEngine:
+    def __init__(self, drafter: Drafter, max_sessions: int = 16, default_max_support: int = 64):
+        self.drafter = drafter
+        self.max_sessions = max_sessions
+        self.default_max_support = default_max_support
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    def open(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams,
+             target_fingerprint: str, target_vocab_size: int, max_support: int = 0) -> float:
+        sampling.validate("draft_")
+        if max_support < 0:
+            raise InvalidArgument(f"max_support must be >= 0, got {max_support}")
+        fp = self.drafter.fingerprint
+        if fp and target_fingerprint and fp != target_fingerprint:
+            raise FailedPrecondition(
+                f"draft model {self.drafter.model!r} uses a different tokenizer than the target "
+                f"(fingerprints {fp[:12]} vs {target_fingerprint[:12]}); speculative decoding needs the same one")
+        if self.drafter.vocab_size and target_vocab_size and self.drafter.vocab_size > target_vocab_size:
+            raise FailedPrecondition(
+                f"draft vocabulary ({self.drafter.vocab_size}) is larger than the target's ({target_vocab_size})")
+        if not prompt_ids:
+            raise InvalidArgument("prompt is empty")
+        if len(prompt_ids) >= self.drafter.max_context:
+            raise InvalidArgument(f"prompt does not fit the draft context of {self.drafter.max_context}")
+        with self._lock:
+            if session_id in self._sessions:
+                raise FailedPrecondition(f"draft session {session_id!r} already open")
+            if len(self._sessions) >= self.max_sessions:
+                raise ResourceExhausted(f"draft is at its limit of {self.max_sessions} sessions")
+            self._sessions[session_id] = None  # type: ignore[assignment]  # reserve the slot
+        try:
+            t0 = time.perf_counter()
+            seq = self.drafter.new_sequence(prompt_ids)
+            self._sessions[session_id] = _Session(seq, sampling, max_support or self.default_max_support,
+                                                  threading.Lock())
+            return (time.perf_counter() - t0) * 1e3
+        except BaseException:
+            with self._lock:
+                self._sessions.pop(session_id, None)
+            raise
+
+    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int) -> Proposal:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"no draft session {session_id!r}")
+        if not 0 <= k <= MAX_K:
+            raise InvalidArgument(f"k must be in [0, {MAX_K}], got {k}")
+        with s.lock:
+            seq = s.seq
+            if not 0 <= keep <= len(seq.tokens):
+                raise InvalidArgument(f"keep={keep} but the draft holds {len(seq.tokens)} tokens")
+            if keep + len(append) + k > self.drafter.max_context:
+                raise InvalidArgument(f"draft context of {self.drafter.max_context} tokens is full")
+            if self.drafter.vocab_size and append and (min(append) < 0 or max(append) >= self.drafter.vocab_size):
+                raise InvalidArgument("appended token ids are outside the draft vocabulary")
+            t0 = time.perf_counter()
+            del seq.tokens[keep:]
+            seq.tokens.extend(append)
+            tokens, dists = self.drafter.propose(seq, k, s.sampling, s.max_support, make_generator(seed))
+            return Proposal(tokens, dists, (time.perf_counter() - t0) * 1e3)
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+        if s is not None:
+            self.drafter.release(s.seq)

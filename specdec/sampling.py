@@ -1,0 +1,122 @@
+"""Sampling math: pure functions from logits to the processed distribution a token is drawn from.
+
+Vocabulary used across specdec:
+- p: the target's processed distribution (after its temperature, top-k, top-p).
+- q~ ("q tilde"): the draft's processed distribution, truncated to at most `max_support`
+  tokens and renormalised *before* sampling, so the token really comes from what is sent.
+Greedy (temperature 0) is the one-hot distribution on the argmax: every mode of the
+speculative step is then a special case of the same rejection-sampling function.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling controls for one model. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, prefix: str = "") -> "SamplingParams":
+        """Raise InvalidArgument naming the offending parameter (e.g. `draft_temperature`)."""
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise InvalidArgument(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if int(k) != k or k < 0:
+            raise InvalidArgument(f"{prefix}top_k must be an integer >= 0 (0 = off), got {k}")
+        if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
+            raise InvalidArgument(f"{prefix}top_p must be in (0, 1], got {p}")
+        return self
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [n, V] (any float dtype) -> probs: [n, V] float32, rows sum to 1.
+
+    Applies temperature, then top-k, then top-p (nucleus, always keeping the top token).
+    """
+    logits = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(logits)  # [n, V]
+        out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return out
+    x = logits / params.temperature  # [n, V]
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [n, V]
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # [n, V]
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each entry
+        drop_sorted = before >= params.top_p  # keeps the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def truncate_support(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs: [V] -> (token_ids [m] int64, probs [m] float32), m <= max_support, renormalised.
+
+    Keeps the nonzero entries, the most likely ones first when a cap is needed.
+    """
+    nonzero = int((probs > 0).sum())
+    m = max(1, min(nonzero, max_support)) if max_support > 0 else max(1, nonzero)
+    top = torch.topk(probs, m)
+    vals = top.values.float()
+    return top.indices, vals / vals.sum()
+
+
+def sample_index(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """probs: [m] (sums to 1) -> one index drawn from it."""
+    if probs.numel() == 1:
+        return 0
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draft_token(logits: torch.Tensor, params: SamplingParams, max_support: int,
+                generator: torch.Generator | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """One draft step. logits: [V] -> (token, support ids [m], q~ [m]).
+
+    The token is sampled from exactly the returned sparse q~.
+    """
+    if params.greedy:
+        tok = int(logits.argmax())
+        return tok, torch.tensor([tok]), torch.ones(1)
+    probs = processed_probs(logits.unsqueeze(0), params)[0]  # [V]
+    ids, q = truncate_support(probs, max_support)  # [m], [m]
+    return int(ids[sample_index(q, generator)]), ids, q
+
+
+def dense_from_sparse(token_ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(ids [m], probs [m]) -> dense [V] float32."""
+    out = torch.zeros(vocab_size, dtype=torch.float32)
+    out[token_ids.long()] = probs.float()
+    return out
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def derive_seed(seed: int, *salt: int) -> int:
+    """A reproducible 63-bit seed for a sub-stream (e.g. one draft call), from a request seed."""
+    h = seed & 0xFFFF_FFFF_FFFF_FFFF
+    for s in salt:
+        h = (h * 6364136223846793005 + 1442695040888963407 + (s & 0xFFFF_FFFF_FFFF_FFFF)) & 0xFFFF_FFFF_FFFF_FFFF
+        h ^= h >> 29
+    return h & 0x7FFF_FFFF_FFFF_FFFF
