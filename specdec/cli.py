@@ -1,0 +1,217 @@
+"""The `specdec` command line: up, generate, info (and bench, tune); and each service's entry point."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import time
+
+from specdec.config import SpecdecConfig, apply_overrides
+
+SERVICE_SECTIONS = {"target": "target", "draft": "draft", "orchestrator": "orchestrator"}
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, obj) -> None:
+    for f in dataclasses.fields(obj):
+        default = getattr(obj, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, type=type(default), default=None,
+                            help=f"(default: {default!r})")
+
+
+def service_main(kind: str, argv: list[str] | None = None) -> None:
+    """Entry point of `python -m target_service|draft_service|orchestrator`."""
+    cfg = SpecdecConfig()
+    section = getattr(cfg, kind)
+    ap = argparse.ArgumentParser(prog=f"python -m {kind}_service" if kind != "orchestrator" else "python -m orchestrator",
+                                 description=f"specdec {kind} service")
+    ap.add_argument("--config", help="TOML config file ([target], [draft], [orchestrator])")
+    _add_dataclass_flags(ap, section)
+    args = vars(ap.parse_args(argv))
+    cfg = SpecdecConfig.load(args.pop("config"))
+    section = getattr(cfg, kind)
+    apply_overrides(section, args, "flag")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind} %(levelname)s %(name)s: %(message)s")
+    if kind == "target":
+        from target_service.server import serve
+    elif kind == "draft":
+        from draft_service.server import serve
+    else:
+        from orchestrator.server import serve
+    try:
+        asyncio.run(serve(section))
+    except KeyboardInterrupt:
+        pass
+
+
+# -- specdec up ----------------------------------------------------------------------------
+def cmd_up(a) -> int:
+    from specdec.launcher import Stack
+
+    cfg = SpecdecConfig.load(a.config)
+    cfg.orchestrator.port = a.port or cfg.orchestrator.port
+    cfg.target.port = a.target_port or cfg.target.port
+    cfg.draft.port = a.draft_port or cfg.draft.port
+    if a.target_model:
+        cfg.target.model = a.target_model
+    if a.draft_model:
+        cfg.draft.model = a.draft_model
+    if a.draft_engine:
+        cfg.draft.engine = a.draft_engine
+    if a.host:
+        for s in (cfg.target, cfg.draft, cfg.orchestrator):
+            s.host = a.host
+    stack = Stack(cfg, a.log_dir, with_draft=not a.no_draft)
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"starting target ({cfg.target.model}), draft ({cfg.draft.engine}: {cfg.draft.model}) and orchestrator; "
+          f"logs in {stack.dir}", flush=True)
+    t0 = time.monotonic()
+    stack.start()
+    try:
+        deadline = time.monotonic() + a.timeout
+        waiting = set(stack.procs)
+        from specdec.launcher import is_serving
+        while waiting and not stop["flag"]:
+            for s in list(waiting):
+                if stack.procs[s].poll() is not None:
+                    print(f"{s} service exited ({stack.procs[s].returncode}); its log:\n{stack.log(s)[-2000:]}",
+                          file=sys.stderr)
+                    return 1
+                if is_serving(stack.address(s)):
+                    waiting.discard(s)
+                    print(f"  {s:<12} healthy on {stack.address(s)}", flush=True)
+            if time.monotonic() > deadline:
+                print(f"timed out waiting for {sorted(waiting)}", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        if stop["flag"]:
+            return 0
+        print(f"specdec is up in {time.monotonic() - t0:.0f}s: orchestrator at {stack.address('orchestrator')} "
+              f"(try: specdec generate 'Hello' --address {stack.address('orchestrator')}). Ctrl-C stops all three.",
+              flush=True)
+        while not stop["flag"]:
+            for s, p in stack.procs.items():
+                if p.poll() is not None and s != "draft":
+                    print(f"{s} service exited ({p.returncode}); stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        print("stopping services", flush=True)
+        stack.stop()
+
+
+# -- specdec generate ----------------------------------------------------------------------
+def cmd_generate(a) -> int:
+    import grpc
+
+    from specdec.client import Client, _Collector
+
+    kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+              stop=a.stop or (), ignore_eos=a.ignore_eos, k=a.k or 0, mode=a.mode,
+              draft_temperature=a.draft_temperature, draft_top_k=a.draft_top_k, draft_top_p=a.draft_top_p)
+    if a.raw:
+        kw["text"] = a.prompt
+        prompt = None
+    else:
+        prompt = a.prompt
+    col = _Collector()
+    try:
+        with Client(a.address, timeout=a.timeout) as c:
+            for chunk in c.generate(prompt, **kw):
+                col.add(chunk)
+                if not a.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    res = col.result()
+    if a.json:
+        print(json.dumps(res.to_json() if a.rounds else {k: v for k, v in res.to_json().items() if k != "rounds"}))
+    else:
+        s = res.stats
+        print(f"\n[{s.get('completion_tokens', 0)} tokens, {s.get('tokens_per_s', 0):.1f} tok/s, "
+              f"ttft {s.get('ttft_ms', 0):.0f} ms, acceptance {s.get('acceptance_rate', 0):.2f}, "
+              f"mode {s.get('mode')}, k {s.get('k')}, finish {s.get('finish_reason')}]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(a) -> int:
+    from specdec.client import Client
+
+    with Client(a.address, timeout=a.timeout) as c:
+        print(json.dumps(c.info(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec", description="speculative decoding over gRPC")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start target, draft and orchestrator as local processes")
+    up.add_argument("--config", help="TOML config file")
+    up.add_argument("--port", type=int, help="orchestrator (public) port, default 50051")
+    up.add_argument("--target-port", type=int, help="default 50052")
+    up.add_argument("--draft-port", type=int, help="default 50053")
+    up.add_argument("--target-model", help="packaged name, .gguf file or HF directory")
+    up.add_argument("--draft-model", help="packaged name, .gguf file or HF directory")
+    up.add_argument("--draft-engine", choices=["llamacpp", "torch", "ngram"])
+    up.add_argument("--no-draft", action="store_true", help="start without a draft service (target-only)")
+    up.add_argument("--host", help="listen address for all three (default 127.0.0.1)")
+    up.add_argument("--log-dir", help="where the service logs go (default: a temp dir)")
+    up.add_argument("--timeout", type=float, default=900, help="seconds to wait for health")
+    up.set_defaults(fn=cmd_up)
+
+    g = sub.add_parser("generate", help="generate from a prompt (sent as one user chat message)")
+    g.add_argument("prompt")
+    g.add_argument("--address", default="127.0.0.1:50051")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--draft-temperature", type=float)
+    g.add_argument("--draft-top-k", type=int)
+    g.add_argument("--draft-top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--k", type=int, help="draft length (default: the server's)")
+    g.add_argument("--mode", choices=["pipelined", "sequential", "target-only"])
+    g.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (prompt_token_ids, token_ids, text, stats)")
+    g.add_argument("--rounds", action="store_true", help="with --json: include per-round statistics")
+    g.add_argument("--timeout", type=float, default=600)
+    g.set_defaults(fn=cmd_generate)
+
+    i = sub.add_parser("info", help="show the served models and defaults")
+    i.add_argument("--address", default="127.0.0.1:50051")
+    i.add_argument("--timeout", type=float, default=30)
+    i.set_defaults(fn=cmd_info)
+
+    try:
+        from specdec import bench
+
+        bench.add_parsers(sub)
+    except ImportError:
+        pass
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.fn(a) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""One typed configuration for the three services, loadable from a TOML file.
+
+    [target]                 # target_service
+    model = "smollm2-135m-instruct"
+    [draft]                  # draft_service
+    engine = "llamacpp"
+    [orchestrator]           # the public server
+    default_k = 8
+
+Every field has a default that runs the embedded default pair on this machine; the
+CLI flags of `specdec up` and of each service override the file. `specdec tune` writes
+such a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import InvalidArgument
+from specdec.models import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
+
+
+@dataclass
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
+    device: str = "cpu"  # cpu | cuda | auto
+    cpu_cores: str = ""  # e.g. "0" or "0-1"; "" = no pinning
+    num_threads: int = 1  # torch / llama.cpp threads
+    gpu_memory_fraction: float = 0.0  # cap on this process's share of GPU memory; 0 = no cap
+    max_sessions: int = 16
+    shutdown_grace_s: float = 5.0
+
+
+@dataclass
+class TargetConfig(ServiceConfig):
+    port: int = 50052
+    model: str = DEFAULT_TARGET_MODEL
+    dtype: str = "float32"
+    cpu_cores: str = "0"
+    kv_budget_tokens: int = 65536  # KV entries over all sessions; RESOURCE_EXHAUSTED beyond
+
+
+@dataclass
+class DraftConfig(ServiceConfig):
+    port: int = 50053
+    engine: str = "llamacpp"  # llamacpp | torch | ngram
+    model: str = DEFAULT_DRAFT_MODEL
+    dtype: str = "float32"  # torch engine only
+    cpu_cores: str = "1"
+    context_tokens: int = 8192  # llama.cpp context per session
+    max_support: int = 64  # cap on the sparse draft distribution per token
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+
+@dataclass
+class OrchestratorConfig(ServiceConfig):
+    port: int = 50051
+    target_address: str = "127.0.0.1:50052"
+    draft_address: str = "127.0.0.1:50053"  # "" = no draft service
+    default_k: int = 8
+    max_k: int = 32
+    default_mode: str = "pipelined"  # pipelined | sequential | target-only
+    default_draft_temperature: float = 0.1  # draft sampling when a sampled request sets none
+    default_draft_top_k: int = 0
+    default_draft_top_p: float = 1.0
+    draft_retry_interval_s: float = 1.0
+    rpc_timeout_s: float = 60.0
+    max_sessions: int = 64
+
+
+@dataclass
+class SpecdecConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "SpecdecConfig":
+        cfg = cls()
+        if path:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+            unknown = set(data) - {"target", "draft", "orchestrator"}
+            if unknown:
+                raise InvalidArgument(f"{path}: unknown section(s) {sorted(unknown)}")
+            for section, values in data.items():
+                apply_overrides(getattr(cfg, section), values, f"{path}: [{section}]")
+        return cfg
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section in ("target", "draft", "orchestrator"):
+            lines.append(f"[{section}]")
+            for f in fields(getattr(self, section)):
+                lines.append(f"{f.name} = {_toml_value(getattr(getattr(self, section), f.name))}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def apply_overrides(obj: Any, values: dict, where: str = "") -> None:
+    """Set dataclass fields from a dict, checking names and types."""
+    names = {f.name: f for f in fields(obj)}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key not in names:
+            raise InvalidArgument(f"{where} unknown setting {key!r}; known: {sorted(names)}")
+        current = getattr(obj, key)
+        if isinstance(current, bool) or not isinstance(current, (int, float, str)):
+            setattr(obj, key, value)
+        elif isinstance(current, float) and isinstance(value, (int, float)):
+            setattr(obj, key, float(value))
+        elif type(current) is not type(value):
+            raise InvalidArgument(f"{where} {key} must be {type(current).__name__}, got {value!r}")
+        else:
+            setattr(obj, key, value)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def replace(obj, **changes):
+    return dataclasses.replace(obj, **changes)

@@ -1,0 +1,104 @@
+"""The target service: a thin gRPC shell over `TargetEngine`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specdec import metrics
+from specdec.config import TargetConfig
+from specdec.devices import configure_process, process_memory_bytes, resolve_device
+from specdec.rpc import Server, abort_with, sampling_from_proto
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.engine import TargetEngine, TargetLimits
+
+log = logging.getLogger("specdec.target")
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, model_spec: str, device: str, engine: TargetEngine | None = None):
+        self.engine = engine  # None while the model loads: RPCs answer UNAVAILABLE
+        self.model_spec = model_spec
+        self.device = device
+        # one worker: the model runs on this service's own cores, one forward at a time
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="target-forward")
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        r = self.engine.runner
+        return common_pb2.ModelInfo(
+            model=self.model_spec, engine="torch", tokenizer_fingerprint=r.fingerprint, vocab_size=r.vocab_size,
+            max_context=r.max_context, eos_token_ids=r.eos_token_ids, dtype=r.dtype, device=self.device,
+            weight_bytes=r.weight_bytes, kv_bytes_per_token=r.kv_bytes_per_token,
+            max_sessions=self.engine.limits.max_sessions, active_sessions=self.engine.active_sessions)
+
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "target model is loading")
+        return self.model_info()
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "target model is loading")
+        sid = None
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("kind")
+                if kind == "open":
+                    if sid is not None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "session already open on this stream")
+                    o = req.open
+                    opened = await self._run(self.engine.open, o.session_id, list(o.prompt_token_ids),
+                                             sampling_from_proto(o.sampling), o.seed)
+                    sid = o.session_id
+                    metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
+                    metrics.PREFILL_SECONDS.observe(opened.prefill_ms / 1e3)
+                    yield target_pb2.TargetResponse(opened=target_pb2.TargetOpened(
+                        first_token=opened.first_token, prefill_ms=opened.prefill_ms, kv_tokens=opened.kv_tokens))
+                elif kind == "verify":
+                    if sid is None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "verify before open")
+                    v = req.verify
+                    dists = [(list(d.token_ids), list(d.probs)) for d in v.draft_dists]
+                    res = await self._run(self.engine.verify, sid, list(v.draft_token_ids), dists)
+                    metrics.VERIFY_SECONDS.observe(res.verify_ms / 1e3)
+                    metrics.KV_TOKENS.set(self.engine.kv_tokens_in_use)
+                    yield target_pb2.TargetResponse(verified=target_pb2.TargetVerified(
+                        num_accepted=res.num_accepted, next_token=res.next_token, verify_ms=res.verify_ms,
+                        kv_tokens=res.kv_tokens))
+                else:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request")
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await abort_with(context, e)
+        finally:
+            if sid is not None:
+                self.engine.close(sid)
+                metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
+
+
+async def serve(cfg: TargetConfig) -> None:
+    from specdec.runner import ModelRunner
+
+    device = resolve_device(cfg.device)
+    configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
+    server = Server(cfg.host, cfg.port, [SERVICE_NAME])
+    servicer = TargetServicer(cfg.model, device)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
+    await server.start()  # health answers NOT_SERVING while the model loads
+    await server.set_serving(False)
+    log.info("target service on %s, loading %s", server.address, cfg.model)
+    runner = await asyncio.to_thread(ModelRunner.load, cfg.model, cfg.dtype, device)
+    engine = TargetEngine(runner, TargetLimits(cfg.max_sessions, cfg.kv_budget_tokens))
+    servicer.engine = engine
+    metrics.start(cfg.host, cfg.metrics_port, "target", lambda: process_memory_bytes(device), runner.weight_bytes,
+                  runner.kv_bytes_per_token)
+    await server.set_serving(True)
+    log.info("target service ready on %s (%s)", server.address, cfg.model)
+    await server.run_until_signal(cfg.shutdown_grace_s)
