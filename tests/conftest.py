@@ -1,0 +1,77 @@
+"""Shared fixtures: real service processes on free loopback ports.
+
+- `default_stack`: the embedded default pair (SmolLM2-135M-Instruct fp32 target in torch,
+  its shipped Q4_1 GGUF as a llama.cpp draft), with /metrics on. Slow to use, quick to start.
+- `tiny_model_dir(...)`: tiny random Llama models carrying the real SmolLM2 tokenizer, for
+  fast service tests of error paths (the services load them like any HF directory).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: real-model or statistical tests (minutes); part of CI")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    from specdec import models
+
+    return models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))
+
+
+def make_tiny_model_dir(path: Path, tokenizer, seed: int, extra_token: str | None = None) -> Path:
+    """A 2-layer random Llama with the given tokenizer, saved as a Hugging Face directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    tok = tokenizer
+    if extra_token:
+        import copy
+
+        tok = copy.deepcopy(tokenizer)
+        tok.add_tokens([extra_token])
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {
+        "target": make_tiny_model_dir(root / "target", smol_tokenizer, seed=1),
+        "draft": make_tiny_model_dir(root / "draft", smol_tokenizer, seed=2),
+        "other-tokenizer": make_tiny_model_dir(root / "other", smol_tokenizer, seed=3, extra_token="<specdec_extra>"),
+    }
+
+
+@pytest.fixture(scope="session")
+def default_stack(tmp_path_factory):
+    """The default pair as three real processes (what `specdec up` starts)."""
+    from specdec.launcher import Stack, free_port, local_config
+
+    cfg = local_config()
+    cfg.target.metrics_port = free_port()
+    cfg.draft.metrics_port = free_port()
+    cfg.orchestrator.metrics_port = free_port()
+    cfg.orchestrator.draft_retry_interval_s = 0.5
+    stack = Stack(cfg, tmp_path_factory.mktemp("default-stack")).start()
+    try:
+        stack.wait_ready(600)
+        yield stack
+    finally:
+        stack.stop()

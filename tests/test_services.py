@@ -1,0 +1,167 @@
+"""Service behaviour through real processes on tiny models: errors, limits, health, reflection.
+
+Each bad request gets a clear status and the services keep serving the next request.
+"""
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specdec import Client
+from specdec.launcher import Stack, local_config
+from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_models, tmp_path_factory):
+    cfg = local_config()
+    cfg.target.model = str(tiny_models["target"])
+    cfg.target.kv_budget_tokens = 400
+    cfg.target.max_sessions = 4
+    cfg.draft.engine = "torch"
+    cfg.draft.model = str(tiny_models["draft"])
+    cfg.target.cpu_cores = cfg.draft.cpu_cores = ""
+    stack = Stack(cfg, tmp_path_factory.mktemp("tiny-stack")).start()
+    try:
+        stack.wait_ready(300)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _code(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def _ok(client: Client) -> None:
+    res = client.complete("Say hi", max_tokens=5, ignore_eos=True)
+    assert len(res.token_ids) == 5
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(text=""), "prompt is empty"),
+    (dict(messages=[{"role": "user", "content": ""}]), "prompt is empty"),
+    (dict(token_ids=[]), "prompt is empty"),
+    (dict(prompt="x", max_tokens=0), "max_new_tokens"),
+    (dict(prompt="x", max_tokens=-5), "max_new_tokens"),
+    (dict(prompt="x", max_tokens=5000), "context limit"),
+    (dict(prompt="x", k=33), "k must be"),
+    (dict(prompt="x", k=-1), "k must be"),
+    (dict(prompt="x", mode=7), "unknown mode"),
+    (dict(prompt="x", temperature=-0.5), "temperature"),
+    (dict(prompt="x", temperature=math.nan), "temperature"),
+    (dict(prompt="x", temperature=0.7, top_p=0.0), "top_p"),
+    (dict(prompt="x", temperature=0.7, top_p=1.5), "top_p"),
+    (dict(prompt="x", temperature=0.7, top_k=-2), "top_k"),
+    (dict(prompt="x", draft_temperature=-1.0), "draft_temperature"),
+    (dict(prompt="x", draft_temperature=math.inf), "draft_temperature"),
+    (dict(prompt="x", draft_top_p=0.0), "draft_top_p"),
+    (dict(prompt="x", draft_top_k=-1), "draft_top_k"),
+    (dict(prompt="x", stop=["a"] * 9), "stop"),
+    (dict(prompt="x", stop=["a" * 200]), "stop"),
+    (dict(token_ids=[10**7]), "token ids"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "roles"),
+])
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(tiny_stack, kwargs, needle):
+    with Client(tiny_stack.address("orchestrator")) as c:
+        kwargs.setdefault("max_tokens", 4)
+        code, details = _code(lambda: c.complete(**kwargs))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert needle in details
+        _ok(c)
+
+
+def test_modes_agree_on_tiny_models(tiny_stack):
+    with Client(tiny_stack.address("orchestrator")) as c:
+        outs = {m: c.complete("Tell me a story", max_tokens=24, ignore_eos=True, mode=m).token_ids
+                for m in ("target-only", "sequential", "pipelined")}
+    assert outs["target-only"] == outs["sequential"] == outs["pipelined"]
+
+
+def test_sampled_output_is_reproducible_per_seed(tiny_stack):
+    with Client(tiny_stack.address("orchestrator")) as c:
+        kw = dict(max_tokens=16, ignore_eos=True, temperature=0.9, draft_temperature=0.5, k=4, mode="pipelined")
+        a = c.complete("Once upon a time", seed=7, **kw)
+        b = c.complete("Once upon a time", seed=7, **kw)
+        other = [c.complete("Once upon a time", seed=s, **kw).token_ids for s in (8, 9, 10)]
+    assert a.token_ids == b.token_ids
+    assert a.stats["seed"] == "7" or int(a.stats["seed"]) == 7
+    assert any(o != a.token_ids for o in other)
+
+
+def test_kv_budget_full_is_resource_exhausted_and_others_carry_on(tiny_stack):
+    with Client(tiny_stack.address("orchestrator")) as c:
+        code, details = _code(lambda: c.complete(token_ids=list(range(100, 600)), max_tokens=4))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "KV budget" in details
+        _ok(c)
+
+
+def test_health_and_reflection_on_all_three(tiny_stack):
+    expected = {"target": "specdec.v1.TargetService", "draft": "specdec.v1.DraftService",
+                "orchestrator": "specdec.v1.SpecDec"}
+    for service, name in expected.items():
+        with grpc.insecure_channel(tiny_stack.address(service)) as ch:
+            for svc in ("", name):
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)
+                assert r.status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                timeout=5)
+            names = {s.name for r in replies for s in r.list_services_response.service}
+            assert {name, "grpc.health.v1.Health"} <= names
+
+
+def test_server_info(tiny_stack):
+    with Client(tiny_stack.address("orchestrator")) as c:
+        info = c.info()
+    assert info["target"]["engine"] == "torch" and info["draft"]["engine"] == "torch"
+    assert info["target"]["tokenizer_fingerprint"] == info["draft"]["tokenizer_fingerprint"]
+    assert info["draft_available"] is True
+
+
+def test_tokenizer_mismatch_is_failed_precondition(tiny_models, tmp_path):
+    cfg = local_config()
+    cfg.target.model = str(tiny_models["target"])
+    cfg.draft.engine = "torch"
+    cfg.draft.model = str(tiny_models["other-tokenizer"])
+    cfg.target.cpu_cores = cfg.draft.cpu_cores = ""
+    with Stack(cfg, tmp_path).start() as stack:
+        stack.wait_ready(300)
+        with Client(stack.address("orchestrator")) as c:
+            code, details = _code(lambda: c.complete("hello", max_tokens=4, mode="pipelined"))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "tokenizer" in details
+            assert len(c.complete("hello", max_tokens=4, ignore_eos=True, mode="target-only").token_ids) == 4
+
+
+def test_target_down_is_unavailable_and_orchestrator_recovers(tiny_models, tmp_path):
+    cfg = local_config()
+    cfg.target.model = str(tiny_models["target"])
+    cfg.target.cpu_cores = ""
+    cfg.orchestrator.rpc_timeout_s = 10
+    with Stack(cfg, tmp_path, with_draft=False).start() as stack:
+        stack.wait_ready(300)
+        with Client(stack.address("orchestrator")) as c:
+            _ok(c)
+            stack.stop_service("target")
+            code, details = _code(lambda: c.complete("hello", max_tokens=4))
+            assert code == grpc.StatusCode.UNAVAILABLE, details
+            stack.start_service("target")
+            stack.wait_ready(120, ["target"])
+            _ok(c)
+
+
+def test_raw_proto_unknown_mode(tiny_stack):
+    with grpc.insecure_channel(tiny_stack.address("orchestrator")) as ch:
+        stub = specdec_pb2_grpc.SpecDecStub(ch)
+        req = specdec_pb2.GenerateRequest(text="hi", max_new_tokens=3, mode=42)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
