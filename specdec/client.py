@@ -37,6 +37,15 @@ class GenerationResult:
                 "stats": self.stats, "rounds": self.rounds}
 
 
+def message_to_plain(msg) -> dict:
+    """A flat proto message as a dict of Python numbers, strings and lists (int64 stays int)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        v = getattr(msg, f.name)
+        out[f.name] = v if isinstance(v, (bool, int, float, str, bytes)) else list(v)
+    return out
+
+
 def build_request(prompt: str | None = None, *, text: str | None = None, messages: Sequence[dict] | None = None,
                   token_ids: Sequence[int] | None = None, max_tokens: int = 128, temperature: float | None = None,
                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -92,14 +101,13 @@ class _Collector:
         self.tokens.extend(chunk.token_ids)
         self.text.append(chunk.text)
         if chunk.HasField("round"):
-            self.rounds.append(MessageToDict(chunk.round, preserving_proto_field_name=True,
-                                             always_print_fields_with_no_presence=True))
+            self.rounds.append(message_to_plain(chunk.round))
         if chunk.HasField("summary"):
             self.summary = chunk.summary
 
     def result(self) -> GenerationResult:
         s = self.summary or specdec_pb2.Summary()
-        stats = MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        stats = message_to_plain(s)
         stats.pop("prompt_token_ids", None)
         stats["mode"] = {v: k for k, v in MODES.items()}.get(s.mode, "unspecified")
         return GenerationResult(list(s.prompt_token_ids), self.tokens, "".join(self.text), stats, self.rounds)

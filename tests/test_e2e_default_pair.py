@@ -123,3 +123,40 @@ def test_cli_generate_reports_invalid_argument(default_stack):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "INVALID_ARGUMENT" in out.stderr and "max_new_tokens" in out.stderr
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_scrape_after_generation_adds_up(default_stack, prompts):
+    cfg = default_stack.cfg
+    with Client(default_stack.address("orchestrator")) as c:
+        res = c.complete(token_ids=prompts[2][1], max_tokens=48, ignore_eos=True, mode="pipelined", k=8)
+    m = _scrape(cfg.orchestrator.metrics_port)
+    drafted = m["specdec:spec_decode_num_draft_tokens_total"]
+    accepted = m["specdec:spec_decode_num_accepted_tokens_total"]
+    per_pos = sum(v for k, v in m.items() if k.startswith("specdec:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert 0 < accepted <= drafted
+    assert per_pos == accepted
+    assert m["specdec:spec_decode_num_drafts_total"] >= 1
+    assert m["specdec:generation_tokens_total"] >= len(res.token_ids)
+    assert m["specdec:time_to_first_token_seconds_count"] >= 1
+    assert m["specdec:e2e_request_latency_seconds_count"] >= 1
+    assert m["specdec:num_requests_running"] == 0
+    assert m['specdec:rpc_overhead_seconds_count{peer="target"}'] >= 1
+    t = _scrape(cfg.target.metrics_port)
+    assert t["specdec:target_verify_seconds_count"] >= 1
+    assert t['specdec:memory_rss_bytes{service="target"}'] > t['specdec:memory_weight_bytes{service="target"}'] > 0
+    assert t['specdec:memory_kv_bytes_per_token{service="target"}'] > 0
+    d = _scrape(cfg.draft.metrics_port)
+    assert d["specdec:draft_propose_seconds_count"] >= 1
+    assert d['specdec:memory_rss_bytes{service="draft"}'] > 0
