@@ -260,3 +260,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--peer-threads", type=int, default=2)
     b.add_argument("--out", default="bench-results")
     b.set_defaults(fn=lambda a: run_compare(a) and 0)
+    # the studies and the tuner (specdec/studies.py, specdec/tune.py)
+    from specdec import studies, tune
+
+    studies.add_parser(sub)
+    tune.add_parser(sub)

@@ -67,16 +67,27 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def truncate_support(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+# Draft tokens in the far tail (together at most this much mass) are dropped before sampling:
+# it keeps low-temperature rounds at a few hundred bytes and costs at most this much acceptance.
+DRAFT_TAIL_MASS = 1e-5
+
+
+def truncate_support(probs: torch.Tensor, max_support: int,
+                     tail_mass: float = DRAFT_TAIL_MASS) -> tuple[torch.Tensor, torch.Tensor]:
     """probs: [V] -> (token_ids [m] int64, probs [m] float32), m <= max_support, renormalised.
 
-    Keeps the nonzero entries, the most likely ones first when a cap is needed.
+    Keeps the most likely tokens: at most `max_support` of them (0 = no cap), and no more
+    than needed to cover 1 - tail_mass of the mass.
     """
     nonzero = int((probs > 0).sum())
     m = max(1, min(nonzero, max_support)) if max_support > 0 else max(1, nonzero)
     top = torch.topk(probs, m)
-    vals = top.values.float()
-    return top.indices, vals / vals.sum()
+    vals = top.values.float()  # [m], descending
+    if tail_mass > 0 and m > 1:
+        covered = torch.cumsum(vals, 0) / probs.sum()
+        m = min(m, int((covered < 1.0 - tail_mass).sum()) + 1)
+        vals = vals[:m]
+    return top.indices[:m], vals / vals.sum()
 
 
 def sample_index(probs: torch.Tensor, generator: torch.Generator | None) -> int:
