@@ -49,6 +49,9 @@ class Drafter(Protocol):
     def propose(self, seq: DraftSequence, k: int, params: SamplingParams, max_support: int,
                 generator: torch.Generator) -> tuple[list[int], list[SparseDist]]: ...
 
+    def rewind(self, seq: DraftSequence, keep: int) -> None:
+        """Keep only the first `keep` tokens (and their cache entries)."""
+
     def release(self, seq: DraftSequence) -> None: ...
 
 
@@ -80,11 +83,15 @@ class ModelDrafter:
         seq.fed = len(seq.tokens)
         return seq
 
+    def rewind(self, seq: DraftSequence, keep: int) -> None:
+        del seq.tokens[keep:]
+        if seq.fed > keep:  # cache entries past `keep` belong to tokens that are gone
+            seq.fed, seq.last_logits = keep, None
+            self.backend.truncate(seq.backend_state, keep)
+
     def _sync(self, seq: DraftSequence) -> torch.Tensor:
         """Make the cache hold all of seq.tokens; returns the logits [V] after them."""
-        if seq.fed > len(seq.tokens):
-            seq.fed, seq.last_logits = len(seq.tokens), None
-            self.backend.truncate(seq.backend_state, seq.fed)
+        assert seq.fed <= len(seq.tokens), "rewind() before appending"
         if seq.fed == len(seq.tokens) and seq.last_logits is None:
             seq.fed -= 1  # refeed the last token to get its logits
             self.backend.truncate(seq.backend_state, seq.fed)
@@ -229,6 +236,9 @@ class NgramDrafter:
                 break
         seq.tokens.extend(out)
         return list(out), [([t], [1.0]) for t in out]
+
+    def rewind(self, seq, keep):
+        del seq.tokens[keep:]
 
     def release(self, seq):
         pass

@@ -88,7 +88,7 @@ class DraftEngine:
             if self.drafter.vocab_size and append and (min(append) < 0 or max(append) >= self.drafter.vocab_size):
                 raise InvalidArgument("appended token ids are outside the draft vocabulary")
             t0 = time.perf_counter()
-            del seq.tokens[keep:]
+            self.drafter.rewind(seq, keep)
             seq.tokens.extend(append)
             tokens, dists = self.drafter.propose(seq, k, s.sampling, s.max_support, make_generator(seed))
             return Proposal(tokens, dists, (time.perf_counter() - t0) * 1e3)
