@@ -141,12 +141,15 @@ class GrpcBackends:
             self._monitor = asyncio.ensure_future(self._monitor_loop())
 
     async def _monitor_loop(self) -> None:
+        """Probe the draft's Info every interval: marks it up or down, and notices a swapped draft."""
         while True:
-            if not self.draft_up:
-                if await self._probe_draft():
-                    self.draft_up = True
-                    log.info("draft service %s is available (%s, %s)", self.draft_address,
-                             self.draft_info.engine, self.draft_info.model)
+            up = await self._probe_draft()
+            if up and not self.draft_up:
+                log.info("draft service %s is available (%s, %s)", self.draft_address,
+                         self.draft_info.engine, self.draft_info.model)
+            elif not up and self.draft_up:
+                log.warning("draft service %s stopped answering", self.draft_address)
+            self.draft_up = up
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.retry_interval_s)

@@ -295,8 +295,10 @@ class Orchestrator:
                 drafts: list[int] = []
                 dists: list = []
                 draft_ms = 0.0
+                hit = False
                 if draft is not None and k_round > 0:
                     if ready is not None:
+                        hit = True
                         drafts, dists, draft_ms = ready.token_ids[:k_round], ready.dists[:k_round], ready.draft_ms
                     else:
                         keep = common_prefix_len(mirror, committed)
@@ -324,10 +326,11 @@ class Orchestrator:
                     raise
                 t_v1 = time.perf_counter()
                 new = drafts[: v.num_accepted] + [v.next_token]
-                overlap_ms = wasted = 0
+                overlap_ms = wasted = spec_wait_ms = 0
                 if spec_task is not None:
                     try:
                         spec = await spec_task
+                        spec_wait_ms = max(0.0, spec.finished - t_v1) * 1e3
                         mirror = committed + drafts + spec.token_ids
                         overlap_ms = max(0.0, min(t_v1, spec.finished) - max(t_v0, spec.started)) * 1e3
                         if v.num_accepted == len(drafts) and spec.token_ids and spec.token_ids[0] == v.next_token:
@@ -349,7 +352,8 @@ class Orchestrator:
                                   verify_ms=v.verify_ms, overlap_ms=overlap_ms, wasted_draft_tokens=wasted,
                                   rpc_ms=max(0.0, v.rtt_ms - v.verify_ms),
                                   draft_available=draft is not None or not want_draft,
-                                  wire_bytes=v.wire_bytes, round_ms=(time.perf_counter() - t_round) * 1e3)
+                                  wire_bytes=v.wire_bytes, round_ms=(time.perf_counter() - t_round) * 1e3,
+                                  pipeline_hit=hit, spec_wait_ms=spec_wait_ms)
                 rounds.append(rec)
                 text = finish[1] if finish and finish[1] is not None else self.decode(out)
                 yield Event(list(take), detok.delta(text, bool(finish)), round=rec,

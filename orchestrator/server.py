@@ -112,14 +112,17 @@ class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer):
         metrics.REQUESTS_RUNNING.set(self.running)
         try:
             req = self._request(request)
+            round_no = 0
             async for ev in self.engine.generate(req):
                 chunk = specdec_pb2.GenerateChunk(text=ev.text, token_ids=ev.token_ids)
                 if ev.round is not None:
                     r = ev.round
+                    round_no += 1
                     chunk.round.CopyFrom(specdec_pb2.RoundStats(
-                        round=0, k=r.k, accepted=r.accepted, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
+                        round=round_no, k=r.k, accepted=r.accepted, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
                         overlap_ms=r.overlap_ms, wasted_draft_tokens=r.wasted_draft_tokens, rpc_ms=r.rpc_ms,
-                        draft_available=r.draft_available, wire_bytes=r.wire_bytes, round_ms=r.round_ms))
+                        draft_available=r.draft_available, wire_bytes=r.wire_bytes, round_ms=r.round_ms,
+                        pipeline_hit=r.pipeline_hit, spec_wait_ms=r.spec_wait_ms))
                     _observe_round(r)
                 if ev.summary is not None:
                     chunk.summary.CopyFrom(_summary_proto(ev, req))

@@ -24,6 +24,8 @@ class RoundRecord:
     draft_available: bool = True
     wire_bytes: int = 0
     round_ms: float = 0.0
+    pipeline_hit: bool = False  # pipelined: drafts reused from the previous round's speculation
+    spec_wait_ms: float = 0.0  # pipelined: verify result waiting for the speculative draft
 
 
 @dataclass

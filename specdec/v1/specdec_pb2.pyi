@@ -66,7 +66,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("round", "k", "accepted", "draft_ms", "verify_ms", "overlap_ms", "wasted_draft_tokens", "rpc_ms", "draft_available", "wire_bytes", "round_ms")
+    __slots__ = ("round", "k", "accepted", "draft_ms", "verify_ms", "overlap_ms", "wasted_draft_tokens", "rpc_ms", "draft_available", "wire_bytes", "round_ms", "pipeline_hit", "spec_wait_ms")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class RoundStats(_message.Message):
     DRAFT_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUND_MS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_HIT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     round: int
     k: int
     accepted: int
@@ -89,7 +91,9 @@ class RoundStats(_message.Message):
     draft_available: bool
     wire_bytes: int
     round_ms: float
-    def __init__(self, round: _Optional[int] = ..., k: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overlap_ms: _Optional[float] = ..., wasted_draft_tokens: _Optional[int] = ..., rpc_ms: _Optional[float] = ..., draft_available: _Optional[bool] = ..., wire_bytes: _Optional[int] = ..., round_ms: _Optional[float] = ...) -> None: ...
+    pipeline_hit: bool
+    spec_wait_ms: float
+    def __init__(self, round: _Optional[int] = ..., k: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overlap_ms: _Optional[float] = ..., wasted_draft_tokens: _Optional[int] = ..., rpc_ms: _Optional[float] = ..., draft_available: _Optional[bool] = ..., wire_bytes: _Optional[int] = ..., round_ms: _Optional[float] = ..., pipeline_hit: _Optional[bool] = ..., spec_wait_ms: _Optional[float] = ...) -> None: ...
 
 class Summary(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "ttft_ms", "tpot_ms", "tokens_per_s", "total_ms", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "accepted_by_position", "drafted_by_position", "rounds", "draft_tokens", "accepted_tokens", "finish_reason", "mode", "k", "seed", "rpc_overhead_ms_per_round", "wasted_draft_tokens", "draft_ms_total", "verify_ms_total", "overlap_ms_total", "draft_fallback_rounds", "prompt_token_ids", "mean_wire_bytes_per_round")
