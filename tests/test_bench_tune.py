@@ -1,0 +1,234 @@
+"""`specdec study` and `specdec tune` end to end on tiny random models through the real services
+(slow: each starts three service processes and swaps the draft), plus the study's report
+(Markdown, JSON, plots) on hand-made measurements (fast, no services)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdec import studies
+from specdec.cli import build_parser, main
+from specdec.config import SpecdecConfig
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("ksweep.png", "acceptance_by_position.png", "round_time_split.png", "ideal.png")
+
+
+def _png(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
+
+
+# -- the report, on hand-made measurements -------------------------------------------------------
+def _fake_request(cell: studies.Cell, prompt: dict, length: int, run: int) -> dict:
+    rounds, produced = [], 1
+    while produced < length:
+        k = 0 if cell.mode == "target-only" else min(cell.k, length - produced - 1)
+        acc = k // 2
+        rounds.append({"k": k, "accepted": acc, "draft_ms": 2.0 * k, "verify_ms": 10.0 + k,
+                       "overlap_ms": 1.0 if cell.mode == "pipelined" else 0.0, "wasted_draft_tokens": 0,
+                       "rpc_ms": 0.5, "round_ms": 12.0 + 3 * k, "draft_available": True})
+        produced += acc + 1
+    acc_pos = [sum(1 for r in rounds if r["accepted"] > i) for i in range(cell.k if cell.mode != "target-only" else 0)]
+    dr_pos = [sum(1 for r in rounds if r["k"] > i) for i in range(len(acc_pos))]
+    total = 5.0 + sum(r["round_ms"] for r in rounds)
+    stats = {"prompt_tokens": 10, "completion_tokens": produced, "ttft_ms": 5.0, "total_ms": total,
+             "rounds": len(rounds), "draft_tokens": sum(r["k"] for r in rounds),
+             "accepted_tokens": sum(r["accepted"] for r in rounds), "accepted_by_position": acc_pos,
+             "drafted_by_position": dr_pos, "wasted_draft_tokens": 0, "draft_fallback_rounds": 0,
+             "rpc_overhead_ms_per_round": 0.5, "seed": 0, "finish_reason": "length"}
+    return {"prompt": prompt["id"], "workload": prompt["workload"], "tokens": produced,
+            "seconds": total / 1e3 * (1 + 0.1 * run), "stats": stats, "rounds": rounds, "cell": cell.id,
+            "length": length, "run": run}
+
+
+def test_study_report_from_hand_made_measurements(tmp_path):
+    a = build_parser().parse_args(["study", "--quick", "--ks", "1,2,4", "--k", "2", "--position-k", "4",
+                                   "--lengths", "16,32", "--target-temps", "0,1", "--draft-temps", "0.6"])
+    studies.resolve_args(a)
+    variants = studies.draft_variants("/models/target", "/models/draft")
+    groups = studies.plan_cells(a, "tiny-draft", ["tiny-draft", "ngram"])
+    assert set(groups) == {"tiny-draft", "ngram"}
+    ids = {c.id for c in groups["tiny-draft"]}
+    assert {"tiny-draft/target-only", "tiny-draft/pipelined/k1", "tiny-draft/sequential/k4",
+            "tiny-draft/pipelined/k2/T1/dT0.6", "tiny-draft/pipelined/k4"} <= ids
+    assert {c.id for c in groups["ngram"]} == {"ngram/target-only", "ngram/pipelined/k2", "ngram/sequential/k2",
+                                               "ngram/sequential/k4"}
+    prompts = [{"id": "p0", "workload": "chat", "ids": [1, 2]}, {"id": "p1", "workload": "code", "ids": [3]}]
+    lengths = [16, 32]
+    records = [_fake_request(c, p, L, run) for cs in groups.values() for c in cs for run in range(a.runs)
+               for L in lengths for p in prompts]
+    memory = {n: {"rss_bytes": 2**28, "peak_rss_bytes": 2**29, "weight_bytes": 1} for n in groups}
+    res = studies.analyse(a, groups, records, lengths, prompts, "tiny-draft", variants, memory,
+                          {n: 0.0 for n in groups}, {})
+    studies.write_outputs(tmp_path, res, records)
+    for name in PLOTS:
+        assert _png(tmp_path / name), name
+    doc = json.loads((tmp_path / "study.json").read_text())
+    assert len(doc["requests"]) == len(records) and doc["round_fields"] == list(studies.ROUND_FIELDS)
+    cell = doc["cells"]["tiny-draft/sequential/k2"]
+    assert cell["all"]["acceptance_rate"] == pytest.approx(0.5)
+    assert cell["by_length"]["16"]["tok_s"]["n"] == a.runs
+    assert {(r["mode"], r["k"]) for r in doc["ksweep"]} == {(m, k) for m in ("pipelined", "sequential")
+                                                            for k in (1, 2, 4)}
+    assert set(doc["positions"]["by_workload"]) == {"chat", "code"}
+    assert len(doc["positions"]["by_workload"]["chat"]["acceptance_by_position"]) == 4
+    assert [r["draft"] for r in doc["draft_comparison"]] == ["tiny-draft", "ngram"]
+    seq2 = [ib for ib in doc["ideal"] if ib["mode"] == "sequential" and ib["k"] == 2][0]
+    assert seq2["expected_tokens"] == pytest.approx(2.0)  # one of two drafts accepted every round
+    md = (tmp_path / "study.md").read_text()
+    for section in ("## k sweep", "## Ideal bound", "## Time per round", "## Drafts", "## Target × draft",
+                    "## Acceptance by draft position"):
+        assert section in md
+
+
+# -- end to end, real services on tiny models ----------------------------------------------------
+@pytest.mark.slow
+def test_study_end_to_end_tiny(tmp_path, monkeypatch):
+    real_variants = studies.draft_variants
+
+    def with_a_broken_draft(*args, **kw):  # a draft whose model is missing: skipped, the study goes on
+        v = real_variants(*args, **kw)
+        v["broken"] = studies.DraftVariant("broken", "torch", str(tmp_path / "no-such-model"))
+        return v
+
+    monkeypatch.setattr(studies, "draft_variants", with_a_broken_draft)
+    out = tmp_path / "study"
+    rc = main(["study", "--tiny", "--quick", "--out", str(out), "--workloads", "code", "--prompts", "1",
+               "--lengths", "8", "--runs", "2", "--ks", "1,2", "--k", "2", "--position-k", "2",
+               "--drafts", "tiny-draft,torch-fp32,broken,ngram", "--target-temps", "0,1.0", "--draft-temps", "0.6",
+               "--no-progress"])
+    assert rc == 0
+    for name in PLOTS:
+        assert _png(out / name), name
+    doc = json.loads((out / "study.json").read_text())
+    md = (out / "study.md").read_text()
+    assert "## k sweep" in md and "## Drafts" in md and "## Ideal bound" in md
+    # every request generated exactly the asked length; the runs are all there
+    assert doc["requests"] and all(r["tokens"] == 8 for r in doc["requests"])
+    for cid, c in doc["cells"].items():
+        agg = c["by_length"]["8"]
+        assert agg["tok_s"]["n"] == 2 and agg["tok_s"]["median"] > 0, cid
+        assert 0.0 <= c["all"]["acceptance_rate"] <= 1.0
+        assert all(a <= d for a, d in zip(c["all"]["accepted_by_position"], c["all"]["drafted_by_position"]))
+        assert c["all"]["draft_fallback_rounds"] == 0, cid  # the draft was attached in every measured request
+    # the draft really was swapped: the orchestrator reported each draft engine in its group
+    assert {n: i["draft"]["engine"] for n, i in doc["services"].items()} == {
+        "tiny-draft": "torch", "torch-fp32": "torch", "ngram": "ngram"}
+    assert doc["services"]["torch-fp32"]["draft"]["model"].endswith("tiny-models/target")
+    assert list(doc["skipped_drafts"]) == ["broken"] and "could not be loaded" in md
+    rows = {r["draft"]: r for r in doc["draft_comparison"]}
+    assert set(rows) == {"tiny-draft", "torch-fp32", "ngram"}
+    assert all(r["memory"]["rss_bytes"] > 10 * 2**20 for r in rows.values())
+    assert rows["torch-fp32"]["memory"]["weight_bytes"] > 0 and rows["ngram"]["memory"]["weight_bytes"] == 0
+    # an fp32 copy of the target drafts exactly what the greedy target picks
+    assert rows["torch-fp32"]["modes"]["sequential"]["acceptance_rate"] > 0.9
+    assert {(ib["mode"], ib["k"]) for ib in doc["ideal"]} >= {("pipelined", 1), ("sequential", 2)}
+    assert all(ib["ideal_tok_s"] > 0 and ib["efficiency"] > 0 for ib in doc["ideal"])
+    assert {(g["temperature"], g["draft_temperature"]) for g in doc["temperature_grid"]} == {(0.0, 0.6), (1.0, 0.6)}
+
+
+@pytest.mark.slow
+def test_tune_end_to_end_tiny_and_rerun_from_cache(tmp_path):
+    out = tmp_path / "tune"
+    args = ["tune", "--tiny", "--out", str(out), "--workloads", "code", "--prompts", "1", "--max-tokens", "8",
+            "--runs", "2", "--ks", "1,2", "--draft-temps", "0,0.6", "--drafts", "tiny-draft,ngram",
+            "--budget-s", "240", "--quiet"]
+    assert main(args) == 0
+    doc = json.loads((out / "tune.json").read_text())
+    cfg = SpecdecConfig.load(out / "tuned.toml")
+    rec = doc["recommended"]
+    assert cfg.orchestrator.default_k == rec["default_k"]
+    assert cfg.orchestrator.default_draft_temperature == pytest.approx(rec["default_draft_temperature"])
+    assert cfg.draft.engine == rec["engine"] and cfg.draft.dtype == rec["dtype"]
+    if rec["engine"] != "ngram":
+        assert cfg.draft.model == rec["model"]
+    assert Path(cfg.target.model).name == "target"  # the tiny target the measurements ran on
+    assert [r["setting"] for r in doc["recommendation"]] == [
+        "draft (engine / model / dtype)", "orchestrator.default_k", "orchestrator.default_draft_temperature"]
+    assert doc["gain_over_target_only"]["greedy"]["tuned"] > 0
+    assert doc["gain_over_target_only"]["greedy"]["defaults"] > 0
+    assert any(m["mode"] == "target-only" for m in doc["measurements"])
+    assert {m["draft"] for m in doc["measurements"] if m["draft"]} == {"tiny-draft", "ngram"}
+    md = (out / "tune.md").read_text()
+    assert "| setting | value | default | why |" in md and "Gain over target-only" in md
+    assert ("The defaults are best" in md) == doc["defaults_best"]
+    cache = json.loads((out / "tune-cache.json").read_text())
+    assert len(cache["entries"]) >= len(doc["measurements"])
+    # a rerun continues from the cache: nothing measured again, same recommendation
+    assert main(args) == 0
+    again = json.loads((out / "tune.json").read_text())
+    assert again["measurements"] and all(m["cached"] for m in again["measurements"])
+    assert again["recommended"] == rec
+    assert again["elapsed_s"] < doc["elapsed_s"]
+
+
+# -- the tuner's decisions, from a pre-filled cache (no services: budget 0 skips what is not cached) --------
+def _tuner(tmp_path, *extra):
+    from specdec import tune
+
+    a = build_parser().parse_args(["tune", "--out", str(tmp_path), "--workloads", "code", "--ks", "1,2,4,8",
+                                   "--draft-temps", "0,0.6", "--drafts", "llamacpp,ngram", "--budget-s", "0",
+                                   "--quiet", *extra])
+    return a, tune.Tuner(a, tmp_path)
+
+
+def _fill(tuner, greedy: dict, sampled: dict) -> None:
+    """greedy: {(draft, k): tok/s}; sampled: {(draft, k, draft T): tok/s}; target-only runs at 20 tok/s."""
+    def put(v, mode, k, t, dt, tok_s):
+        tuner.cache.put(tuner.key(v, mode, k, t, dt, "search"), {
+            "draft": v.name if mode != "target-only" else None, "mode": mode, "k": k, "temperature": t,
+            "draft_temperature": dt, "tag": "search", "tok_s": tok_s, "tok_s_runs": [tok_s],
+            "spread": studies.spread([tok_s]), "acceptance_rate": 0.5, "mean_accepted_tokens": 2.0, "seconds": 1.0})
+
+    put(tuner.default, "target-only", 0, None, None, 20.0)
+    for (name, k), v in greedy.items():
+        put(tuner.variants[name], "pipelined", k, None, None, v)
+    for (name, k, dt), v in sampled.items():
+        put(tuner.variants[name], "pipelined", k, tuner.a.temperature, dt, v)
+
+
+@pytest.mark.parametrize("case", ["defaults-best", "better-k", "draft-within-noise", "better-draft-temperature"])
+def test_tune_decisions_from_cache(tmp_path, case):
+    a, tuner = _tuner(tmp_path)
+    assert (tuner.default.name, tuner.default_k, tuner.default_dt) == ("llamacpp", 8, 0.1)
+    greedy = {(d, k): 30.0 for d in ("llamacpp", "ngram") for k in (1, 2, 4)} | {("llamacpp", 8): 40.0,
+                                                                                ("ngram", 8): 35.0}
+    sampled = {("llamacpp", 8, dt): 30.0 - dt for dt in (0.0, 0.1, 0.6)}
+    sampled[("llamacpp", 8, 0.1)] = 31.0
+    if case == "better-k":
+        greedy[("llamacpp", 4)] = 46.0  # +15%
+        sampled |= {("llamacpp", 4, 0.1): 33.5, ("llamacpp", 4, 0.6): 34.0, ("llamacpp", 4, 0.0): 30.0}  # +1.5%
+    elif case == "draft-within-noise":
+        greedy[("ngram", 8)] = 41.0  # +2.5% < 3%
+        sampled |= {("ngram", 8, dt): 30.0 for dt in (0.0, 0.1, 0.6)}
+    elif case == "better-draft-temperature":
+        sampled[("llamacpp", 8, 0.6)] = 36.0  # +16%
+    _fill(tuner, greedy, sampled)
+    res = tuner.run()
+    assert tuner.live is None  # everything came from the cache: no service was started
+    rows = {r["setting"]: r for r in res["recommendation"]}
+    cfg = SpecdecConfig.load(tmp_path / "tuned.toml")
+    md = (tmp_path / "tune.md").read_text()
+    k, dt, engine = cfg.orchestrator.default_k, cfg.orchestrator.default_draft_temperature, cfg.draft.engine
+    if case == "defaults-best":
+        assert res["defaults_best"] and "The defaults are best" in md
+        assert (k, dt, engine) == (8, 0.1, "llamacpp")
+        assert "the default was the fastest" in rows["orchestrator.default_k"]["why"]
+        assert res["gain_over_target_only"]["greedy"] == {"tuned": 2.0, "defaults": 2.0}
+    elif case == "better-k":
+        assert (k, dt, engine) == (4, 0.1, "llamacpp") and not res["defaults_best"]
+        assert "+15.0%" in rows["orchestrator.default_k"]["why"]
+        assert "default kept" in rows["orchestrator.default_draft_temperature"]["why"]
+        assert res["gain_over_target_only"]["greedy"]["tuned"] == pytest.approx(46 / 20)
+        assert "specdec up --config" in md
+    elif case == "draft-within-noise":
+        assert res["best_measured"]["draft"] == "ngram"
+        assert (k, dt, engine) == (8, 0.1, "llamacpp") and res["defaults_best"]
+        assert "within noise" in rows["draft (engine / model / dtype)"]["why"]
+    else:
+        assert (k, dt, engine) == (8, 0.6, "llamacpp") and not res["defaults_best"]
+        assert rows["orchestrator.default_draft_temperature"]["changed"]
+        assert res["gain_over_target_only"]["sampled"]["tuned"] == pytest.approx(36 / 20)
+    assert res["skipped_for_budget"]  # the confirmation did not fit a zero budget
