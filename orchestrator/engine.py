@@ -297,9 +297,9 @@ class Orchestrator:
                 draft_ms = 0.0
                 hit = False
                 if draft is not None and k_round > 0:
-                    if ready is not None:
-                        hit = True
+                    if ready is not None and ready.token_ids:
                         drafts, dists, draft_ms = ready.token_ids[:k_round], ready.dists[:k_round], ready.draft_ms
+                        hit = True
                     else:
                         keep = common_prefix_len(mirror, committed)
                         try:

@@ -34,7 +34,7 @@ class SamplingParams:
         t, k, p = self.temperature, self.top_k, self.top_p
         if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
             raise InvalidArgument(f"{prefix}temperature must be a finite number >= 0 (0 = greedy), got {t}")
-        if int(k) != k or k < 0:
+        if not isinstance(k, (int, float)) or not math.isfinite(k) or int(k) != k or k < 0:
             raise InvalidArgument(f"{prefix}top_k must be an integer >= 0 (0 = off), got {k}")
         if not isinstance(p, (int, float)) or math.isnan(p) or not (0.0 < p <= 1.0):
             raise InvalidArgument(f"{prefix}top_p must be in (0, 1], got {p}")
@@ -51,7 +51,8 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         out = torch.zeros_like(logits)  # [n, V]
         out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return out
-    x = logits / params.temperature  # [n, V]
+    # shift by the row max first: a tiny temperature then saturates instead of overflowing
+    x = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # [n, V]
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
