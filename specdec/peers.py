@@ -114,7 +114,7 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, *, pad_token_
     gc = _greedy_config(model, max_new_tokens, pad_token_id)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, eos_token_id=None)
         seconds = time.perf_counter() - t0
     new = [int(t) for t in out[0, ids.shape[1]:]]
     if len(new) != max_new_tokens:
@@ -165,7 +165,7 @@ def hf_assisted_generate(model, assistant_model, prompt_ids: list[int], max_new_
     try:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, eos_token_id=None,
                                  assistant_model=assistant_model)
             seconds = time.perf_counter() - t0
     finally:
