@@ -125,8 +125,10 @@ class OrchestratorSettings:
     default_k: int = 8
     max_k: int = 32
     default_mode: Mode = Mode.PIPELINED
-    # draft sampling when the request sets none: greedy for a greedy target, otherwise this
-    default_draft_temperature: float = 0.1
+    # draft sampling when the request sets none: greedy for a greedy target; otherwise the
+    # target's own sampling when default_draft_temperature < 0 (measured best for the default
+    # pair, whose draft is a quantized copy of the target), else these values
+    default_draft_temperature: float = -1.0
     default_draft_top_k: int = 0
     default_draft_top_p: float = 1.0
     draft_retry_interval_s: float = 1.0  # within a request, how often to try the draft again
@@ -213,9 +215,13 @@ class Orchestrator:
         req.sampling.validate()
         if req.draft_sampling is None:
             s = self.settings
-            req.draft_sampling = (SamplingParams() if req.sampling.greedy else
-                                  SamplingParams(s.default_draft_temperature, s.default_draft_top_k,
-                                                 s.default_draft_top_p))
+            if req.sampling.greedy:
+                req.draft_sampling = SamplingParams()
+            elif s.default_draft_temperature < 0:
+                req.draft_sampling = req.sampling
+            else:
+                req.draft_sampling = SamplingParams(s.default_draft_temperature, s.default_draft_top_k,
+                                                    s.default_draft_top_p)
         req.draft_sampling.validate("draft_")
         if len(req.stop) > MAX_STOP_SEQUENCES:
             raise InvalidArgument(f"stop: at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}")

@@ -66,7 +66,9 @@ class OrchestratorConfig(ServiceConfig):
     default_k: int = 8
     max_k: int = 32
     default_mode: str = "pipelined"  # pipelined | sequential | target-only
-    default_draft_temperature: float = 0.1  # draft sampling when a sampled request sets none
+    # draft sampling when a sampled request sets none; < 0 = the target's own temperature/top-k/top-p
+    # (measured best for the default pair: BENCHMARKS.md, "Sampled requests")
+    default_draft_temperature: float = -1.0
     default_draft_top_k: int = 0
     default_draft_top_p: float = 1.0
     draft_retry_interval_s: float = 1.0

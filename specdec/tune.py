@@ -75,7 +75,9 @@ class Tuner:
         self.default = studies.variant_of(self.cfg.draft, self.variants)
         self.variants.setdefault(self.default.name, self.default)
         self.default_k = self.cfg.orchestrator.default_k
-        self.default_dt = self.cfg.orchestrator.default_draft_temperature
+        # a negative default means "the target's own temperature": the sampled requests' one here
+        dt = self.cfg.orchestrator.default_draft_temperature
+        self.default_dt = dt if dt >= 0 else a.temperature
         self.prompts = studies.load_study_prompts(a)
         self.cache = Cache(out / "tune-cache.json", a.fresh)
         self.live: LiveStack | None = None

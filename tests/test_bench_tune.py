@@ -168,7 +168,10 @@ def test_tune_end_to_end_tiny_and_rerun_from_cache(tmp_path):
 def _tuner(tmp_path, *extra):
     from specdec import tune
 
-    a = build_parser().parse_args(["tune", "--out", str(tmp_path), "--workloads", "code", "--ks", "1,2,4,8",
+    # an explicit numeric default draft temperature (the shipped default, -1, means "the target's")
+    (tmp_path / "base.toml").write_text("[orchestrator]\ndefault_draft_temperature = 0.1\n")
+    a = build_parser().parse_args(["tune", "--out", str(tmp_path), "--config", str(tmp_path / "base.toml"),
+                                   "--workloads", "code", "--ks", "1,2,4,8",
                                    "--draft-temps", "0,0.6", "--drafts", "llamacpp,ngram", "--budget-s", "0",
                                    "--quiet", *extra])
     return a, tune.Tuner(a, tmp_path)
