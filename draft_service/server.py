@@ -13,7 +13,7 @@ from specdec import metrics
 from specdec.config import DraftConfig
 from specdec.devices import configure_process, process_memory_bytes, resolve_device
 from specdec.errors import InvalidArgument
-from specdec.rpc import Server, abort_with, sampling_from_proto
+from specdec.rpc import Server, sampling_from_proto, serve_session
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specdec.draft")
@@ -52,39 +52,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is loading")
-        sid = None
-        try:
-            async for req in request_iterator:
-                kind = req.WhichOneof("kind")
-                if kind == "open":
-                    if sid is not None:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "session already open on this stream")
-                    o = req.open
-                    ms = await self._run(self.engine.open, o.session_id, list(o.prompt_token_ids),
-                                         sampling_from_proto(o.sampling), o.target_tokenizer_fingerprint,
-                                         o.target_vocab_size, o.max_support)
-                    sid = o.session_id
-                    metrics.DRAFT_SESSIONS.set(self.engine.active_sessions)
-                    yield draft_pb2.DraftResponse(opened=draft_pb2.DraftOpened(prefill_ms=ms))
-                elif kind == "propose":
-                    if sid is None:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "propose before open")
-                    p = req.propose
-                    res = await self._run(self.engine.propose, sid, p.keep, list(p.append_token_ids), p.k, p.seed)
-                    metrics.DRAFT_SECONDS.observe(res.draft_ms / 1e3)
-                    yield draft_pb2.DraftResponse(proposal=draft_pb2.DraftProposal(
-                        token_ids=res.token_ids, draft_ms=res.draft_ms,
-                        dists=[common_pb2.SparseDistribution(token_ids=i, probs=q) for i, q in res.dists]))
-                else:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request")
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            await abort_with(context, e)
-        finally:
-            if sid is not None:
-                await self._run(self.engine.close, sid)
-                metrics.DRAFT_SESSIONS.set(self.engine.active_sessions)
+        async for reply in serve_session(request_iterator, context, {"open": self._open, "propose": self._propose},
+                                         self._close):
+            yield reply
+
+    async def _open(self, o: draft_pb2.DraftOpen, sid: None) -> draft_pb2.DraftResponse:
+        ms = await self._run(self.engine.open, o.session_id, list(o.prompt_token_ids),
+                             sampling_from_proto(o.sampling), o.target_tokenizer_fingerprint,
+                             o.target_vocab_size, o.max_support)
+        metrics.DRAFT_SESSIONS.set(self.engine.active_sessions)
+        return draft_pb2.DraftResponse(opened=draft_pb2.DraftOpened(prefill_ms=ms))
+
+    async def _propose(self, p: draft_pb2.DraftPropose, sid: str) -> draft_pb2.DraftResponse:
+        res = await self._run(self.engine.propose, sid, p.keep, list(p.append_token_ids), p.k, p.seed)
+        metrics.DRAFT_SECONDS.observe(res.draft_ms / 1e3)
+        return draft_pb2.DraftResponse(proposal=draft_pb2.DraftProposal(
+            token_ids=res.token_ids, draft_ms=res.draft_ms,
+            dists=[common_pb2.SparseDistribution(token_ids=i, probs=q) for i, q in res.dists]))
+
+    async def _close(self, sid: str) -> None:
+        await self._run(self.engine.close, sid)
+        metrics.DRAFT_SESSIONS.set(self.engine.active_sessions)
 
 
 async def serve(cfg: DraftConfig) -> None:

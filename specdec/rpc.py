@@ -40,6 +40,37 @@ async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) ->
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
+async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
+                        handlers: dict[str, Callable], close: Callable[[str], Awaitable[None]]):
+    """One session per bidirectional stream, shared by the target and draft services.
+
+    The first message (`open`) opens the session; each later message is handled by
+    `handlers[kind](message, session_id)`; the session is closed when the stream ends,
+    however it ends. Errors become gRPC statuses (see `abort_with`).
+    """
+    sid = None
+    try:
+        async for req in request_iterator:
+            kind = req.WhichOneof("kind")
+            if kind is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request")
+            if (kind == "open") != (sid is None):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "session already open on this stream" if sid else f"{kind} before open")
+            msg = getattr(req, kind)
+            reply = await handlers[kind](msg, sid)
+            if kind == "open":
+                sid = msg.session_id
+            yield reply
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as e:  # noqa: BLE001 - mapped to a status
+        await abort_with(context, e)
+    finally:
+        if sid is not None:
+            await close(sid)
+
+
 class Server:
     """A grpc.aio server with health checking and reflection for the given services."""
 

@@ -10,7 +10,7 @@ import grpc
 from specdec import metrics
 from specdec.config import TargetConfig
 from specdec.devices import configure_process, process_memory_bytes, resolve_device
-from specdec.rpc import Server, abort_with, sampling_from_proto
+from specdec.rpc import Server, sampling_from_proto, serve_session
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine, TargetLimits
 
@@ -45,42 +45,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "target model is loading")
-        sid = None
-        try:
-            async for req in request_iterator:
-                kind = req.WhichOneof("kind")
-                if kind == "open":
-                    if sid is not None:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "session already open on this stream")
-                    o = req.open
-                    opened = await self._run(self.engine.open, o.session_id, list(o.prompt_token_ids),
-                                             sampling_from_proto(o.sampling), o.seed)
-                    sid = o.session_id
-                    metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
-                    metrics.PREFILL_SECONDS.observe(opened.prefill_ms / 1e3)
-                    yield target_pb2.TargetResponse(opened=target_pb2.TargetOpened(
-                        first_token=opened.first_token, prefill_ms=opened.prefill_ms, kv_tokens=opened.kv_tokens))
-                elif kind == "verify":
-                    if sid is None:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "verify before open")
-                    v = req.verify
-                    dists = [(list(d.token_ids), list(d.probs)) for d in v.draft_dists]
-                    res = await self._run(self.engine.verify, sid, list(v.draft_token_ids), dists)
-                    metrics.VERIFY_SECONDS.observe(res.verify_ms / 1e3)
-                    metrics.KV_TOKENS.set(self.engine.kv_tokens_in_use)
-                    yield target_pb2.TargetResponse(verified=target_pb2.TargetVerified(
-                        num_accepted=res.num_accepted, next_token=res.next_token, verify_ms=res.verify_ms,
-                        kv_tokens=res.kv_tokens))
-                else:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request")
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            await abort_with(context, e)
-        finally:
-            if sid is not None:
-                self.engine.close(sid)
-                metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
+        async for reply in serve_session(request_iterator, context, {"open": self._open, "verify": self._verify},
+                                         self._close):
+            yield reply
+
+    async def _open(self, o: target_pb2.TargetOpen, sid: None) -> target_pb2.TargetResponse:
+        opened = await self._run(self.engine.open, o.session_id, list(o.prompt_token_ids),
+                                 sampling_from_proto(o.sampling), o.seed)
+        metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
+        metrics.PREFILL_SECONDS.observe(opened.prefill_ms / 1e3)
+        return target_pb2.TargetResponse(opened=target_pb2.TargetOpened(
+            first_token=opened.first_token, prefill_ms=opened.prefill_ms, kv_tokens=opened.kv_tokens))
+
+    async def _verify(self, v: target_pb2.TargetVerify, sid: str) -> target_pb2.TargetResponse:
+        dists = [(list(d.token_ids), list(d.probs)) for d in v.draft_dists]
+        res = await self._run(self.engine.verify, sid, list(v.draft_token_ids), dists)
+        metrics.VERIFY_SECONDS.observe(res.verify_ms / 1e3)
+        metrics.KV_TOKENS.set(self.engine.kv_tokens_in_use)
+        return target_pb2.TargetResponse(verified=target_pb2.TargetVerified(
+            num_accepted=res.num_accepted, next_token=res.next_token, verify_ms=res.verify_ms,
+            kv_tokens=res.kv_tokens))
+
+    async def _close(self, sid: str) -> None:
+        self.engine.close(sid)
+        metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
+        metrics.KV_TOKENS.set(self.engine.kv_tokens_in_use)
 
 
 async def serve(cfg: TargetConfig) -> None:
