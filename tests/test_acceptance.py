@@ -13,6 +13,7 @@ import math
 from collections import Counter
 
 import pytest
+from chi2 import chi2_sf
 import torch
 
 from specdec.acceptance import VerifyOutcome, verify_drafts
@@ -31,19 +32,6 @@ ALPHA = 1e-3  # seeds are fixed, so a pass/fail is reproducible; this only sets 
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(chi2_df >= x): scipy when installed, else the Wilson-Hilferty approximation."""
-    if df <= 0:
-        return 1.0
-    try:
-        from scipy.stats import chi2
-
-        return float(chi2.sf(x, df))
-    except ImportError:
-        z = ((x / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-        return 0.5 * math.erfc(z / math.sqrt(2))
-
 
 def chi2_pvalue(counts: dict[int, int], probs: torch.Tensor) -> float:
     """Goodness of fit of `counts` (outcome -> count) to `probs` [V]. Cells with an expected

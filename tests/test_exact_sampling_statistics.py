@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
+from chi2 import chi2_sf
 import torch
 
 import target_service.engine as target_engine_module
@@ -210,21 +211,6 @@ def flat_index(tokens) -> int:
 
 
 # -- the statistics -------------------------------------------------------------------------------------
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(chi2_df >= x): scipy when installed, else the Wilson-Hilferty approximation."""
-    if math.isinf(x):
-        return 0.0
-    if df <= 0:
-        return 1.0
-    try:
-        from scipy.stats import chi2
-
-        return float(chi2.sf(x, df))
-    except ImportError:
-        z = ((x / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-        return 0.5 * math.erfc(z / math.sqrt(2))
-
 
 def pooled_chi2(obs: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     """Pearson chi-square of counts `obs` [m] against `probs` [m]: cells with an expected count
