@@ -11,19 +11,22 @@ import os
 log = logging.getLogger(__name__)
 
 
-def parse_cores(spec: str | None) -> list[int] | None:
-    """"0", "1-3", "0,2" -> list of core ids; None/"" -> None (no pinning)."""
-    if not spec:
-        return None
-    cores: list[int] = []
-    for part in str(spec).split(","):
+def parse_int_ranges(spec: str | None) -> list[int]:
+    """"0", "1-3", "0,2,5-6" -> the listed integers, ranges inclusive; None/"" -> []."""
+    out: list[int] = []
+    for part in str(spec or "").split(","):
         part = part.strip()
         if "-" in part:
             a, b = part.split("-")
-            cores.extend(range(int(a), int(b) + 1))
+            out.extend(range(int(a), int(b) + 1))
         elif part:
-            cores.append(int(part))
-    return cores
+            out.append(int(part))
+    return out
+
+
+def parse_cores(spec: str | None) -> list[int] | None:
+    """Core ids to pin to; None/"" -> None (no pinning)."""
+    return parse_int_ranges(spec) or None
 
 
 def resolve_device(device: str) -> str:

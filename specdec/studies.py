@@ -60,6 +60,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.devices import parse_int_ranges
+
 STUDIES = ("ksweep", "drafts", "temps", "positions")
 ROUND_FIELDS = ("k", "accepted", "draft_ms", "verify_ms", "overlap_ms", "wasted_draft_tokens", "rpc_ms", "round_ms",
                 "draft_available")
@@ -596,15 +598,7 @@ def cell_results(cell: Cell, records: list[dict], lengths: list[int]) -> dict:
 # The study
 # ----------------------------------------------------------------------------------------------
 def parse_ints(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if "-" in part:
-            a, b = part.split("-")
-            out.extend(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
-    return out
+    return parse_int_ranges(spec)
 
 
 def parse_floats(spec: str) -> list[float]:
@@ -944,6 +938,19 @@ def time_split_rows(res: dict) -> dict:
     return out
 
 
+def _save_plot(fig, axes, path: Path) -> str:
+    """Legend and grid on every axis, then save and close; returns the file name."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
 def write_plots(out: Path, res: dict) -> list[str]:
     import matplotlib
 
@@ -979,13 +986,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
         for ax in axes:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes[1].set(xlabel="k", ylabel="rate", title="acceptance vs k", ylim=(0, 1.05))
-        for ax in axes:
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "ksweep.png", dpi=110)
-        plt.close(fig)
-        made.append("ksweep.png")
+        made.append(_save_plot(fig, axes, out / "ksweep.png"))
     if res.get("positions"):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for ax, kind in zip(axes, ("by_workload", "by_draft")):
@@ -995,12 +996,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set(xlabel="draft position", ylabel="P(accepted | drafted)", ylim=(0, 1.05),
                    title=f"acceptance by position, k={res['positions']['k']}, {kind[3:]}")
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "acceptance_by_position.png", dpi=110)
-        plt.close(fig)
-        made.append("acceptance_by_position.png")
+        made.append(_save_plot(fig, axes, out / "acceptance_by_position.png"))
     splits = time_split_rows(res)
     if splits:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -1031,13 +1027,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
         for ax in axes:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes[1].set(xlabel="k", ylabel="measured / ideal", title="efficiency")
-        for ax in axes:
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "ideal.png", dpi=110)
-        plt.close(fig)
-        made.append("ideal.png")
+        made.append(_save_plot(fig, axes, out / "ideal.png"))
     return made
 
 
