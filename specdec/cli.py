@@ -115,7 +115,7 @@ def cmd_up(a) -> int:
 def cmd_generate(a) -> int:
     import grpc
 
-    from specdec.client import Client, _Collector
+    from specdec.client import Client, ResultCollector
 
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
               stop=a.stop or (), ignore_eos=a.ignore_eos, k=a.k or 0, mode=a.mode,
@@ -125,7 +125,7 @@ def cmd_generate(a) -> int:
         prompt = None
     else:
         prompt = a.prompt
-    col = _Collector()
+    col = ResultCollector()
     try:
         with Client(a.address, timeout=a.timeout) as c:
             for chunk in c.generate(prompt, **kw):

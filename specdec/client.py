@@ -90,7 +90,7 @@ def _set_sampling(msg: common_pb2.SamplingParams, temperature, top_k, top_p) -> 
         msg.top_p = top_p
 
 
-class _Collector:
+class ResultCollector:
     def __init__(self):
         self.tokens: list[int] = []
         self.text: list[str] = []
@@ -124,7 +124,7 @@ class Client:
         yield from self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout)
 
     def complete(self, prompt: str | None = None, **kw) -> GenerationResult:
-        c = _Collector()
+        c = ResultCollector()
         for chunk in self.generate(prompt, **kw):
             c.add(chunk)
         return c.result()
@@ -157,7 +157,7 @@ class AsyncClient:
             yield chunk
 
     async def complete(self, prompt: str | None = None, **kw) -> GenerationResult:
-        c = _Collector()
+        c = ResultCollector()
         async for chunk in self.generate(prompt, **kw):
             c.add(chunk)
         return c.result()

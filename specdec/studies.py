@@ -8,7 +8,10 @@
 Every number comes from our three services started by this command on free loopback ports
 (`specdec.launcher.Stack`, the `specdec up` layout), on prompts from `specdec.bench.load_prompts`
 (workloads chat, summarization, code and math), generating a fixed number of tokens (EOS
-ignored) per output length (`--lengths`, default 128 and 256), greedy unless stated. One *cell*
+ignored) per output length (`--lengths`, default 128 and 256), greedy unless stated. Only the
+longest length is requested; a shorter length L is measured on the same request as the time
+its L-th token reached the client (`prefix_record`; `--separate-lengths` makes one request per
+length instead). One *cell*
 is one setting (draft, mode, k, target and draft temperature); one *run* of a cell generates
 every prompt once, and its tok/s is tokens / wall time of the run (prefill included), seen by
 the client. The runs of all cells of one draft are interleaved (their order rotates), so
@@ -61,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.devices import parse_int_ranges
+from specdec.stats import RoundRecord, position_counts
 
 STUDIES = ("ksweep", "drafts", "temps", "positions")
 ROUND_FIELDS = ("k", "accepted", "draft_ms", "verify_ms", "overlap_ms", "wasted_draft_tokens", "rpc_ms", "round_ms",
@@ -117,6 +121,38 @@ def ideal_round_ms(mode: str, k: int, d: float, t: float) -> float:
     if mode == "pipelined":
         return max(t, (k + 1) * d)
     return t
+
+
+def prefix_record(rec: dict, length: int) -> dict:
+    """The first `length` tokens of a measured request, as if it had asked for `length` tokens.
+
+    `rec["marks"]` holds one [seconds since the request was sent, tokens so far, rounds so far]
+    per streamed chunk. The prefix ends with the chunk that delivered token `length`: seconds =
+    that chunk's arrival (what a client asking for `length` tokens would have waited, give or
+    take the last round, which is not shortened to fit), rounds = the rounds up to it, and the
+    summary fields the study reads are recomputed from those rounds. The record is marked
+    `prefix_of` (the full request's length), so that it is never counted twice.
+    """
+    marks = rec["marks"]
+    end = next((m for m in marks if m[1] >= length), None)
+    if end is None:
+        raise ValueError(f"request produced {rec['tokens']} tokens, fewer than the prefix {length}")
+    first = next(m for m in marks if m[1] >= 1)
+    rounds = rec["rounds"][: end[2]]
+    accepted, drafted = position_counts([RoundRecord(k=int(r["k"]), accepted=int(r["accepted"])) for r in rounds])
+    stats = dict(rec["stats"])
+    stats.update(completion_tokens=length, total_ms=float(stats["ttft_ms"]) + 1e3 * (end[0] - first[0]),
+                 rounds=len(rounds), draft_tokens=sum(drafted), accepted_tokens=sum(accepted),
+                 accepted_by_position=accepted, drafted_by_position=drafted,
+                 wasted_draft_tokens=sum(int(r["wasted_draft_tokens"]) for r in rounds),
+                 draft_fallback_rounds=sum(1 for r in rounds if not r.get("draft_available", True)))
+    return dict(rec, tokens=length, seconds=end[0], stats=stats, rounds=rounds, marks=marks[: marks.index(end) + 1],
+                prefix_of=rec["tokens"])
+
+
+def full_requests(records: list[dict]) -> list[dict]:
+    """The requests as measured (prefix records left out)."""
+    return [r for r in records if "prefix_of" not in r]
 
 
 def compact_rounds(rounds: list[dict]) -> list[list]:
@@ -518,12 +554,18 @@ class LiveStack:
             kw["draft_temperature"] = draft_temperature
         if seed is not None:
             kw["seed"] = seed
+        from specdec.client import ResultCollector
+
+        collector, marks = ResultCollector(), []
         t0 = time.perf_counter()
-        res = self.client.complete(**kw)
+        for chunk in self.client.generate(**kw):
+            collector.add(chunk)
+            marks.append([round(time.perf_counter() - t0, 6), len(collector.tokens), len(collector.rounds)])
         seconds = time.perf_counter() - t0
+        res = collector.result()
         stats = {f: res.stats.get(f) for f in STAT_FIELDS}
         return {"prompt": prompt["id"], "workload": prompt["workload"], "tokens": len(res.token_ids),
-                "seconds": seconds, "stats": stats, "rounds": res.rounds}
+                "seconds": seconds, "stats": stats, "rounds": res.rounds, "marks": marks}
 
     def warm_up(self, prompt: dict, modes, k: int) -> None:
         for mode in modes:
@@ -564,12 +606,21 @@ def request_seed(base: int, prompt_index: int, run: int) -> int:
     return base + 1000 * run + prompt_index
 
 
+def request_lengths(lengths: list[int], separate: bool) -> list[int]:
+    """The output lengths actually requested: all of them, or only the longest (the others are its prefixes)."""
+    return sorted(lengths) if separate else [max(lengths)]
+
+
 def measure_group(live: LiveStack, cells: list[Cell], prompts: list[dict], lengths: list[int], runs: int,
-                  seed: int, bar=None) -> list[dict]:
-    """Every cell x length x run x prompt, runs interleaved over the cells (order rotating)."""
+                  seed: int, bar=None, separate_lengths: bool = False) -> list[dict]:
+    """Every cell x length x run x prompt, runs interleaved over the cells (order rotating).
+
+    Unless `separate_lengths`, one request of the longest length is made and the shorter
+    lengths are measured as its prefixes (`prefix_record`).
+    """
     records = []
     for run in range(runs):
-        for length in lengths:
+        for length in request_lengths(lengths, separate_lengths):
             order = cells[run % len(cells):] + cells[: run % len(cells)]
             for cell in order:
                 if bar is not None:
@@ -580,6 +631,8 @@ def measure_group(live: LiveStack, cells: list[Cell], prompts: list[dict], lengt
                                        request_seed(seed, i, run) if sampled else None)
                     rec.update(cell=cell.id, length=length, run=run)
                     records.append(rec)
+                    if not separate_lengths:
+                        records += [dict(prefix_record(rec, L), length=L) for L in lengths if L < length]
                     if bar is not None:
                         bar.update(1)
     return records
@@ -590,7 +643,7 @@ def cell_results(cell: Cell, records: list[dict], lengths: list[int]) -> dict:
     out = cell.to_json()
     out["by_length"] = {str(L): aggregate([r for r in mine if r["length"] == L], cell.mode, cell.k)
                         for L in lengths}
-    out["all"] = aggregate(mine, cell.mode, cell.k)
+    out["all"] = aggregate(full_requests(mine), cell.mode, cell.k)
     return out
 
 
@@ -696,7 +749,7 @@ def run_study(a) -> dict:
     prompts = load_study_prompts(a)
     lengths = parse_ints(a.lengths)
     groups = plan_cells(a, default.name, drafts)
-    total = sum(len(cs) for cs in groups.values()) * len(prompts) * len(lengths) * a.runs
+    total = sum(len(cs) for cs in groups.values()) * len(prompts) * len(request_lengths(lengths, a.separate_lengths)) * a.runs
     print(f"study: {sum(len(c) for c in groups.values())} cells in {len(groups)} draft group(s), "
           f"{len(prompts)} prompts, lengths {lengths}, {a.runs} runs: {total} requests", file=sys.stderr)
     t_start = time.time()
@@ -715,13 +768,13 @@ def run_study(a) -> dict:
             except Exception as e:  # noqa: BLE001 - a draft that cannot be loaded here is skipped
                 failed[name] = f"{type(e).__name__}: {e}"[:3000]
                 print(f"study: draft {name} could not be loaded, skipped ({failed[name][:300]})", file=sys.stderr)
-                bar.update(len(cells) * len(prompts) * len(lengths) * a.runs)
+                bar.update(len(cells) * len(prompts) * len(request_lengths(lengths, a.separate_lengths)) * a.runs)
                 del groups[name]
                 continue
             info = live.info()
             infos[name] = {"target": info.get("target", {}), "draft": info.get("draft", {})}
             live.warm_up(prompts[0], sorted({c.mode for c in cells}), a.k)
-            records += measure_group(live, cells, prompts, lengths, a.runs, a.seed, bar)
+            records += measure_group(live, cells, prompts, lengths, a.runs, a.seed, bar, a.separate_lengths)
             memory[name] = live.draft_memory()
     except BaseException:
         if records:  # keep what was measured (the full study takes hours)
@@ -747,7 +800,7 @@ def analyse(a, groups, records, lengths, prompts, default, variants, memory, swa
     res: dict = {
         "command": "specdec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["study"] else "specdec study",
         "settings": {"tiny": a.tiny, "quick": a.quick, "workloads": a.workloads, "prompts_per_workload": a.prompts,
-                     "lengths": lengths, "runs": a.runs, "ks": parse_ints(a.ks), "modes": modes, "k": a.k,
+                     "lengths": lengths, "separate_lengths": a.separate_lengths, "runs": a.runs, "ks": parse_ints(a.ks), "modes": modes, "k": a.k,
                      "position_k": a.position_k, "seed": a.seed, "studies": a.studies,
                      "target_temps": parse_floats(a.target_temps), "draft_temps": parse_floats(a.draft_temps)},
         "prompts": [{"id": p["id"], "workload": p["workload"], "tokens": len(p["ids"])} for p in prompts],
@@ -796,10 +849,10 @@ def analyse(a, groups, records, lengths, prompts, default, variants, memory, swa
         pk = a.position_k
         res["positions"] = {"k": pk, "by_workload": {}, "by_draft": {}}
         for w in dict.fromkeys(p["workload"] for p in prompts):
-            reqs = [r for r in records if r["workload"] == w and _cell_is(cells[r["cell"]], default, pk)]
+            reqs = [r for r in full_requests(records) if r["workload"] == w and _cell_is(cells[r["cell"]], default, pk)]
             res["positions"]["by_workload"][w] = position_curve(reqs)
         for name in groups:
-            reqs = [r for r in records if _cell_is(cells[r["cell"]], name, pk)]
+            reqs = [r for r in full_requests(records) if _cell_is(cells[r["cell"]], name, pk)]
             if reqs:
                 res["positions"]["by_draft"][name] = position_curve(reqs)
     res["baseline_cell"] = base
@@ -835,7 +888,10 @@ def study_markdown(res: dict) -> str:
     lengths = [str(L) for L in st["lengths"]]
     L = ["# specdec study", "", f"Command: `{res['command']}`", "",
          f"Prompts: {len(res['prompts'])} ({st['workloads']}, {st['prompts_per_workload']} per workload); "
-         f"output lengths {', '.join(lengths)} tokens (EOS ignored); {st['runs']} runs per cell, interleaved; "
+         f"output lengths {', '.join(lengths)} tokens (EOS ignored"
+         + ("" if st.get("separate_lengths", True) or len(lengths) < 2 else
+            f"; one request of {lengths[-1]} tokens per prompt, the shorter lengths measured as its prefixes: "
+            "time to the L-th token") + f"); {st['runs']} runs per cell, interleaved; "
          f"default draft: {res['default_draft']}. tok/s cells: median (min-max, ±spread %) over runs, "
          f"tokens / wall time seen by the client, prefill included." + (" Tiny random models: the numbers "
                                                                         "mean nothing." if st["tiny"] else ""), ""]
@@ -1068,6 +1124,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", type=int, help="prompts per workload (2; quick 1)")
     p.add_argument("--lengths", help="output lengths (128,256; quick 64)")
     p.add_argument("--runs", type=int, help="runs per cell (3; quick 2)")
+    p.add_argument("--separate-lengths", action="store_true",
+                   help="one request per output length (default: request the longest, measure the shorter "
+                        "lengths as its prefixes: time to the L-th token)")
     p.add_argument("--ks", help="k values of the sweep, e.g. 1-16 or 1,2,4 (1-16; quick 1,4,8,16)")
     p.add_argument("--modes", default="pipelined,sequential")
     p.add_argument("--k", type=int, default=8, help="k of the draft and temperature studies")

@@ -96,7 +96,7 @@ def test_study_end_to_end_tiny(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "draft_variants", with_a_broken_draft)
     out = tmp_path / "study"
     rc = main(["study", "--tiny", "--quick", "--out", str(out), "--workloads", "code", "--prompts", "1",
-               "--lengths", "8", "--runs", "2", "--ks", "1,2", "--k", "2", "--position-k", "2",
+               "--lengths", "5,8", "--runs", "2", "--ks", "1,2", "--k", "2", "--position-k", "2",
                "--drafts", "tiny-draft,torch-fp32,broken,ngram", "--target-temps", "0,1.0", "--draft-temps", "0.6",
                "--no-progress"])
     assert rc == 0
@@ -105,11 +105,17 @@ def test_study_end_to_end_tiny(tmp_path, monkeypatch):
     doc = json.loads((out / "study.json").read_text())
     md = (out / "study.md").read_text()
     assert "## k sweep" in md and "## Drafts" in md and "## Ideal bound" in md
-    # every request generated exactly the asked length; the runs are all there
-    assert doc["requests"] and all(r["tokens"] == 8 for r in doc["requests"])
+    # every request generated exactly the asked length (8; 5 is measured as its prefix); the runs are all there
+    full = [r for r in doc["requests"] if "prefix_of" not in r]
+    prefixes = [r for r in doc["requests"] if "prefix_of" in r]
+    assert full and all(r["tokens"] == 8 and r["length"] == 8 for r in full)
+    assert len(prefixes) == len(full) and all(r["tokens"] == 5 and r["length"] == 5 for r in prefixes)
+    assert all(p["seconds"] <= f["seconds"] for p, f in zip(prefixes, full))
     for cid, c in doc["cells"].items():
-        agg = c["by_length"]["8"]
-        assert agg["tok_s"]["n"] == 2 and agg["tok_s"]["median"] > 0, cid
+        for length in ("5", "8"):
+            agg = c["by_length"][length]
+            assert agg["tok_s"]["n"] == 2 and agg["tok_s"]["median"] > 0, cid
+        assert c["all"]["requests"] == c["by_length"]["8"]["requests"]  # prefixes are not counted twice
         assert 0.0 <= c["all"]["acceptance_rate"] <= 1.0
         assert all(a <= d for a, d in zip(c["all"]["accepted_by_position"], c["all"]["drafted_by_position"]))
         assert c["all"]["draft_fallback_rounds"] == 0, cid  # the draft was attached in every measured request

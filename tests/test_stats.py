@@ -7,8 +7,8 @@ import math
 import pytest
 
 from specdec.stats import RoundRecord, position_counts, summarize
-from specdec.studies import (aggregate, expected_tokens_per_round, ideal_bound, ideal_tok_s, loss_breakdown,
-                             round_time_split, spread)
+from specdec.studies import (aggregate, expected_tokens_per_round, full_requests, ideal_bound, ideal_tok_s,
+                             loss_breakdown, prefix_record, round_time_split, spread)
 
 
 def hand_rounds() -> list[RoundRecord]:
@@ -191,3 +191,47 @@ def test_spread():
     assert (s["median"], s["min"], s["max"], s["n"]) == (10.0, 8.0, 12.0, 3)
     assert s["spread_pct"] == pytest.approx(40.0)
     assert spread([])["n"] == 0 and math.isclose(spread([0.0])["spread_pct"], 0.0)
+
+
+def hand_request() -> dict:
+    """A 12-token request: first token after prefill, then rounds of 5, 2 and 4 tokens (chunk arrival times in s)."""
+    rounds = [dict(k=4, accepted=4, draft_ms=8.0, verify_ms=20.0, overlap_ms=6.0, wasted_draft_tokens=0, rpc_ms=1.0,
+                   round_ms=30.0, draft_available=True),
+              dict(k=4, accepted=1, draft_ms=9.0, verify_ms=22.0, overlap_ms=7.0, wasted_draft_tokens=5, rpc_ms=2.0,
+                   round_ms=31.0, draft_available=True),
+              dict(k=4, accepted=3, draft_ms=9.0, verify_ms=22.0, overlap_ms=7.0, wasted_draft_tokens=0, rpc_ms=2.0,
+                   round_ms=32.0, draft_available=False)]
+    stats = dict(completion_tokens=12, ttft_ms=500.0, total_ms=620.0, rounds=3, draft_tokens=12, accepted_tokens=8,
+                 accepted_by_position=[3, 2, 2, 1], drafted_by_position=[3, 3, 3, 3], wasted_draft_tokens=5,
+                 draft_fallback_rounds=1)
+    marks = [[0.5, 1, 0], [0.54, 6, 1], [0.58, 8, 2], [0.62, 12, 3], [0.621, 12, 3]]  # the last chunk: summary
+    return dict(prompt="p", workload="chat", tokens=12, seconds=0.621, stats=stats, rounds=rounds, marks=marks,
+                cell="c", length=12, run=0)
+
+
+def test_prefix_record_by_hand():
+    rec = hand_request()
+    p = prefix_record(rec, 7)  # token 7 arrives with the second round's chunk, at 0.58 s
+    assert (p["tokens"], p["seconds"], p["prefix_of"]) == (7, 0.58, 12)
+    assert len(p["rounds"]) == 2 and p["stats"]["rounds"] == 2
+    assert p["stats"]["completion_tokens"] == 7
+    assert p["stats"]["total_ms"] == pytest.approx(500.0 + 80.0)  # ttft + (0.58 - 0.5) s
+    assert p["stats"]["draft_tokens"] == 8 and p["stats"]["accepted_tokens"] == 5
+    assert p["stats"]["accepted_by_position"] == [2, 1, 1, 1]
+    assert p["stats"]["drafted_by_position"] == [2, 2, 2, 2]
+    assert p["stats"]["wasted_draft_tokens"] == 5 and p["stats"]["draft_fallback_rounds"] == 0
+    assert rec["stats"]["rounds"] == 3 and len(rec["rounds"]) == 3  # the full request is left as it was
+    one = prefix_record(rec, 1)
+    assert (one["seconds"], one["rounds"], one["stats"]["total_ms"]) == (0.5, [], 500.0)
+    assert prefix_record(rec, 12)["stats"]["draft_fallback_rounds"] == 1
+    with pytest.raises(ValueError):
+        prefix_record(rec, 13)
+
+
+def test_prefix_records_are_not_counted_twice():
+    rec = hand_request()
+    records = [rec, dict(prefix_record(rec, 6), length=6)]
+    assert full_requests(records) == [rec]
+    agg6 = aggregate([r for r in records if r["length"] == 6], "pipelined", 4)
+    assert agg6["tok_s"]["median"] == pytest.approx(6 / 0.54)
+    assert agg6["acceptance_rate"] == 1.0 and agg6["mean_accepted_tokens"] == 5.0
