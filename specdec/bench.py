@@ -1,9 +1,11 @@
 """`specdec bench`: side-by-side throughput of our modes and the peers, on real prompts.
 
-    specdec bench                         # the comparison table (BENCHMARKS.md)
+    specdec bench                         # the comparison tables, outputs of 128 and 256 tokens
     specdec bench --runs 5 --prompts 3 --max-tokens 128 --out bench-results
+    specdec bench --tiny --max-tokens 8   # tiny random models: checks the machinery in seconds
 
-One run = every system generates the same prompts (greedy, fixed length, EOS ignored);
+One run = every system generates the same prompts (greedy, fixed length, EOS ignored), once
+per output length (`--max-tokens`, one table each);
 systems are interleaved inside each run (their order rotates), so ratios are measured
 side by side under the same machine noise. The report gives, per system, the median /
 min / max over runs of tok/s (tokens / wall time of all prompts, prefill included), and
@@ -11,8 +13,9 @@ per ratio the median / min / max of the per-run ratios.
 
 Systems:
 - ours, through the real gRPC services started by this command (`specdec up` layout,
-  target pinned to core 0, draft to core 1): target-only, sequential, pipelined;
-- hf-generate: transformers `generate` with the fp32 target (2 threads);
+  target pinned to core 0, draft to core 1; `--config` or `--tiny` choose the models):
+  target-only, sequential, pipelined;
+- hf-generate: transformers `generate` with the same fp32 target (2 threads);
 - hf-assisted: transformers assisted generation, bf16 copy of the target as assistant,
   k=4 constant (its best setting here), 2 threads;
 - llamacpp-spec: llama.cpp's own speculative example, F32 target GGUF + shipped Q4_1
@@ -39,6 +42,7 @@ class SystemRun:
     tokens: int
     seconds: float
     extra: dict = field(default_factory=dict)
+    length: int = 0  # new tokens asked per prompt
 
     @property
     def tok_s(self) -> float:
@@ -110,13 +114,15 @@ def aggregate_summaries(summaries: list[dict]) -> dict:
 
 
 class Peers:
-    def __init__(self, threads: int = 2):
+    """transformers generate / assisted generation on the same target as our services, and llama.cpp."""
+
+    def __init__(self, target_model: str, threads: int = 2):
         import torch
 
         from specdec import models
 
         self.threads = threads
-        src = models.resolve(models.DEFAULT_TARGET_MODEL)
+        src = models.resolve(target_model)
         self.model = models.load_model(src, "float32")
         self.assistant = None
         self._src = src
@@ -151,53 +157,66 @@ def llamacpp_available() -> bool:
         return False
 
 
-def start_stack(config_path: str | None, log_dir: Path):
-    from specdec.config import SpecdecConfig
+def start_stack(cfg, log_dir: Path):
     from specdec.launcher import Stack, local_config
 
-    stack = Stack(local_config(SpecdecConfig.load(config_path)), log_dir).start()
+    stack = Stack(local_config(cfg), log_dir).start()
     stack.wait_ready(900)
     return stack
 
 
 def run_compare(a) -> dict:
+    from tqdm import tqdm
+
     from specdec import models
+    from specdec.devices import parse_int_ranges
+    from specdec.studies import base_config
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    cfg, _ = base_config(a, out)
+    lengths = parse_int_ranges(a.max_tokens)
     tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))
-    prompts = load_prompts(tok, a.workloads.split(","), a.prompts)
+    prompts = load_prompts(tok, a.workloads.split(","), a.prompts, seed=a.seed)
     systems = [s for s in a.systems.split(",") if s]
-    if "llamacpp-spec" in systems and not llamacpp_available():
-        print("llamacpp-spec: not built (run scripts/build_llamacpp_peer.sh); skipped", file=sys.stderr)
+    unknown = [s for s in systems if s not in OURS + PEERS]
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown}; known: {', '.join(OURS + PEERS)}")
+    if "llamacpp-spec" in systems and (a.tiny or not llamacpp_available()):
+        print("llamacpp-spec: " + ("runs the shipped GGUF pair only, not --tiny" if a.tiny else
+                                   "not built (run scripts/build_llamacpp_peer.sh)") + "; skipped", file=sys.stderr)
         systems.remove("llamacpp-spec")
-    stack = start_stack(a.config, out / "logs") if not a.address else None
+    stack = start_stack(cfg, out / "logs") if not a.address else None
     address = a.address or stack.address("orchestrator")
+    bar = tqdm(total=a.runs * len(lengths) * len(systems), desc="bench", unit="system-run", disable=a.no_progress,
+               file=sys.stderr)
     try:
         ours = OurSystem(address)
-        peers = Peers(a.peer_threads) if any(s in PEERS for s in systems) else None
+        peers = Peers(cfg.target.model, a.peer_threads) if any(s in PEERS for s in systems) else None
         # warm-up: one short request per mode (caches, allocator, first-call costs)
         for mode in OURS:
             if mode in systems:
                 ours.run(mode, prompts[:1], 8, a.k)
         runs: list[SystemRun] = []
-        total = a.runs * len(systems)
-        done = 0
         for run in range(a.runs):
-            order = systems[run % len(systems):] + systems[: run % len(systems)]
-            for system in order:
-                if system in OURS:
-                    tokens, seconds, extra = ours.run(system, prompts, a.max_tokens, a.k)
-                else:
-                    tokens, seconds, extra = peers.run(system, prompts, a.max_tokens)
-                runs.append(SystemRun(system, run, tokens, seconds, extra))
-                done += 1
-                print(f"[{done}/{total}] run {run + 1} {system:<13} {tokens / seconds:7.1f} tok/s", file=sys.stderr,
-                      flush=True)
+            for length in lengths:
+                order = systems[run % len(systems):] + systems[: run % len(systems)]
+                for system in order:
+                    bar.set_postfix_str(f"run {run + 1} L{length} {system}", refresh=False)
+                    if system in OURS:
+                        tokens, seconds, extra = ours.run(system, prompts, length, a.k)
+                    else:
+                        tokens, seconds, extra = peers.run(system, prompts, length)
+                    runs.append(SystemRun(system, run, tokens, seconds, extra, length))
+                    bar.update(1)
+                    if a.no_progress:
+                        print(f"run {run + 1} L{length} {system:<13} {tokens / seconds:7.1f} tok/s", file=sys.stderr,
+                              flush=True)
     finally:
+        bar.close()
         if stack is not None:
             stack.stop()
-    result = summarize_compare(runs, systems, a, prompts)
+    result = summarize_compare(runs, systems, lengths, a, prompts)
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     md = compare_markdown(result)
     (out / "compare.md").write_text(md)
@@ -210,50 +229,60 @@ RATIOS = [("pipelined", "target-only"), ("pipelined", "sequential"), ("pipelined
           ("hf-assisted", "hf-generate")]
 
 
-def summarize_compare(runs: list[SystemRun], systems: list[str], a, prompts) -> dict:
+def summarize_length(runs: list[SystemRun], systems: list[str]) -> dict:
+    """One output length: tok/s per system over runs, and the per-run ratios (same run = side by side)."""
     per = {s: [r for r in runs if r.system == s] for s in systems}
     table = {s: {"tok_s": spread([r.tok_s for r in rs]), "extra": rs[-1].extra} for s, rs in per.items() if rs}
     ratios = {}
     for num, den in RATIOS:
-        if num in per and den in per:
+        if per.get(num) and per.get(den):
             vals = [n.tok_s / d.tok_s for n, d in zip(per[num], per[den]) if d.tok_s > 0]
             if vals:
                 ratios[f"{num} / {den}"] = spread(vals)
+    return {"systems": table, "ratios": ratios}
+
+
+def summarize_compare(runs: list[SystemRun], systems: list[str], lengths: list[int], a, prompts) -> dict:
     return {"command": " ".join(["specdec", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "specdec bench",
-            "settings": {"runs": a.runs, "max_tokens": a.max_tokens, "k": a.k, "workloads": a.workloads,
+            "settings": {"runs": a.runs, "lengths": lengths, "k": a.k, "workloads": a.workloads, "tiny": a.tiny,
                          "prompts_per_workload": a.prompts, "peer_threads": a.peer_threads},
-            "prompts": [p["id"] for p in prompts], "systems": table, "ratios": ratios,
+            "prompts": [p["id"] for p in prompts],
+            "by_length": {str(L): summarize_length([r for r in runs if r.length == L], systems) for L in lengths},
             "runs": [asdict(r) | {"tok_s": r.tok_s} for r in runs]}
 
 
 def compare_markdown(result: dict) -> str:
-    lines = ["| system | tok/s median | min | max | spread % | acceptance | TTFT ms (median) | RPC ms/round |",
-             "|---|---|---|---|---|---|---|---|"]
-    for s, row in result["systems"].items():
-        t, e = row["tok_s"], row["extra"]
-        acc = e.get("acceptance_rate")
-        if acc is None and e.get("acceptance"):
-            vals = [x for x in e["acceptance"] if x is not None]
-            acc = sum(vals) / len(vals) if vals else None
-        lines.append(f"| {s} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {t['spread_pct']:.0f} | "
-                     f"{'' if acc is None else f'{acc:.3f}'} | "
-                     f"{e['ttft_ms_median']:.0f} | {e['rpc_overhead_ms_per_round']:.2f} |".replace(
-                         "| nan |", "| |") if "ttft_ms_median" in e else
-                     f"| {s} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {t['spread_pct']:.0f} | "
-                     f"{'' if acc is None else f'{acc:.3f}'} | | |")
-    lines += ["", "| ratio (per run, side by side) | median | min | max |", "|---|---|---|---|"]
-    for name, r in result["ratios"].items():
-        lines.append(f"| {name} | {r['median']:.2f}× | {r['min']:.2f}× | {r['max']:.2f}× |")
-    return "\n".join(lines) + "\n"
+    lines = [f"Command: `{result['command']}`", ""]
+    for length, res in result["by_length"].items():
+        lines += [f"### {length} new tokens", "",
+                  "| system | tok/s median | min | max | spread % | acceptance | TTFT ms (median) | RPC ms/round |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for s, row in res["systems"].items():
+            t, e = row["tok_s"], row["extra"]
+            acc = e.get("acceptance_rate")
+            if acc is None and e.get("acceptance"):
+                vals = [x for x in e["acceptance"] if x is not None]
+                acc = sum(vals) / len(vals) if vals else None
+            ours = "ttft_ms_median" in e
+            lines.append(f"| {s} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {t['spread_pct']:.0f} | "
+                         f"{'' if acc is None or (ours and s == 'target-only') else f'{acc:.3f}'} | "
+                         + (f"{e['ttft_ms_median']:.0f} | {e['rpc_overhead_ms_per_round']:.2f} |" if ours else " | |"))
+        lines += ["", "| ratio (per run, side by side) | median | min | max |", "|---|---|---|---|"]
+        for name, r in res["ratios"].items():
+            lines.append(f"| {name} | {r['median']:.2f}× | {r['min']:.2f}× | {r['max']:.2f}× |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def add_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmark our modes against the peers, side by side")
-    b.add_argument("--config", help="TOML config for the services this command starts")
+    from specdec import studies, tune
+
+    studies.add_common_args(b)  # --config, --tiny, --workloads, --seed, --no-progress
+    b.set_defaults(workloads="chat,code")
     b.add_argument("--address", help="use a running orchestrator instead of starting one")
-    b.add_argument("--workloads", default="chat,code", help="comma list of chat, summarization, code, math")
     b.add_argument("--prompts", type=int, default=2, help="prompts per workload")
-    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--max-tokens", default="128,256", help="output lengths, one table each (e.g. 128 or 128,256)")
     b.add_argument("--runs", type=int, default=3)
     b.add_argument("--k", type=int, default=8)
     b.add_argument("--systems", default=",".join(OURS + PEERS))
@@ -261,7 +290,5 @@ def add_parsers(sub) -> None:
     b.add_argument("--out", default="bench-results")
     b.set_defaults(fn=lambda a: run_compare(a) and 0)
     # the studies and the tuner (specdec/studies.py, specdec/tune.py)
-    from specdec import studies, tune
-
     studies.add_parser(sub)
     tune.add_parser(sub)

@@ -1,6 +1,6 @@
-"""`specdec study` and `specdec tune` end to end on tiny random models through the real services
-(slow: each starts three service processes and swaps the draft), plus the study's report
-(Markdown, JSON, plots) on hand-made measurements (fast, no services)."""
+"""`specdec bench`, `specdec study` and `specdec tune` end to end on tiny random models through the
+real services (slow: each starts three service processes; the study and tune swap the draft),
+plus the study's report (Markdown, JSON, plots) on hand-made measurements (fast, no services)."""
 from __future__ import annotations
 
 import json
@@ -133,6 +133,31 @@ def test_study_end_to_end_tiny(tmp_path, monkeypatch):
     assert {(ib["mode"], ib["k"]) for ib in doc["ideal"]} >= {("pipelined", 1), ("sequential", 2)}
     assert all(ib["ideal_tok_s"] > 0 and ib["efficiency"] > 0 for ib in doc["ideal"])
     assert {(g["temperature"], g["draft_temperature"]) for g in doc["temperature_grid"]} == {(0.0, 0.6), (1.0, 0.6)}
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_tiny(tmp_path):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--tiny", "--out", str(out), "--workloads", "code,math", "--prompts", "1",
+               "--max-tokens", "6,10", "--runs", "2", "--k", "2", "--no-progress"])
+    assert rc == 0
+    doc = json.loads((out / "compare.json").read_text())
+    ours_and_transformers = {"target-only", "sequential", "pipelined", "hf-generate", "hf-assisted"}
+    # llama.cpp's example runs the shipped GGUF pair, not tiny models: left out of a --tiny bench
+    assert {r["system"] for r in doc["runs"]} == ours_and_transformers
+    for r in doc["runs"]:  # every system generated exactly the asked length for both prompts
+        assert r["tokens"] == 2 * r["length"] and r["seconds"] > 0, r
+    for length in ("6", "10"):
+        res = doc["by_length"][length]
+        assert set(res["systems"]) == ours_and_transformers
+        for name, row in res["systems"].items():
+            assert row["tok_s"]["n"] == 2 and row["tok_s"]["min"] <= row["tok_s"]["median"] <= row["tok_s"]["max"]
+        assert 0.0 < res["systems"]["pipelined"]["extra"]["acceptance_rate"] <= 1.0
+        ratio = res["ratios"]["pipelined / target-only"]
+        runs = {r["system"]: r["tok_s"] for r in doc["runs"] if r["length"] == int(length) and r["run"] == 0}
+        assert ratio["n"] == 2 and ratio["min"] <= runs["pipelined"] / runs["target-only"] <= ratio["max"]
+    md = (out / "compare.md").read_text()
+    assert "### 6 new tokens" in md and "### 10 new tokens" in md and "| pipelined / hf-assisted |" in md
 
 
 @pytest.mark.slow
