@@ -217,14 +217,20 @@ def shipped_q4_1_gguf(spec: str = models.DEFAULT_DRAFT_MODEL) -> Path:
 
 
 def f32_gguf(src_gguf: Path | None = None) -> Path:
-    """An F32 GGUF of the target, made once with `llama-quantize --allow-requantize <in> <out> F32`.
+    """An F32 GGUF of the target (the llama.cpp peer's target).
 
     The shipped file is Q4_1, so the F32 copy holds the dequantized Q4_1 weights: the same
     weights that transformers dequantizes into the torch fp32 target.
     """
+    return requantized_gguf("F32", src_gguf)
+
+
+def requantized_gguf(ftype: str, src_gguf: Path | None = None) -> Path:
+    """A copy of the shipped GGUF in another llama.cpp type (F32, F16, Q8_0, ...), made once with
+    `llama-quantize --allow-requantize <in> <out> <ftype>` into the llama.cpp peer's models folder."""
     src_gguf = Path(src_gguf or shipped_q4_1_gguf())
     out_dir = llamacpp_root() / "models"
-    out = out_dir / f"{src_gguf.stem}.F32.gguf"
+    out = out_dir / f"{src_gguf.stem}.{ftype}.gguf"
     if out.exists() and out.stat().st_mtime >= src_gguf.stat().st_mtime:
         return out
     ensure_llamacpp_built()
@@ -232,7 +238,7 @@ def f32_gguf(src_gguf: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".gguf")
     os.close(fd)
     try:
-        proc = subprocess.run([str(llamacpp_binary("llama-quantize")), "--allow-requantize", str(src_gguf), tmp, "F32"],
+        proc = subprocess.run([str(llamacpp_binary("llama-quantize")), "--allow-requantize", str(src_gguf), tmp, ftype],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"llama-quantize failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

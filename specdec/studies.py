@@ -22,7 +22,10 @@ Studies (`--studies`, default all):
 - ksweep: k in `--ks` (default 1..16), pipelined and sequential, plus target-only: tok/s,
   acceptance rate, mean accepted tokens per round (1 + accepted / rounds with drafts).
 - drafts: each draft the system can load here (`--drafts`): llamacpp (the shipped Q4_1 GGUF,
-  the default), torch-fp32 and torch-bf16 (torch copies of the target), ngram (prompt lookup).
+  the default), llamacpp-q8_0 and llamacpp-f16 (the same weights re-quantized by llama.cpp's
+  own tool, when the llama.cpp peer is built), torch-fp32 and torch-bf16 (torch copies of the
+  target), ngram (prompt lookup). The only other real model here, Gemma-3 270M, has another
+  tokenizer, so it cannot draft for this target.
   Swapping the draft restarts the draft service alone with a new [draft] section and waits
   for the orchestrator to re-attach it. Per draft: the draft service's RSS (and peak) from its
   /metrics, draft ms per token (draft_ms / k over the rounds with k > 0, sequential mode),
@@ -410,9 +413,37 @@ def draft_variants(target_model: str, tiny_draft: str | None = None) -> dict[str
     if tiny_draft:
         out["tiny-draft"] = DraftVariant("tiny-draft", "torch", tiny_draft, "float32", "noisy copy of the tiny target")
     out["llamacpp"] = DraftVariant("llamacpp", "llamacpp", DEFAULT_DRAFT_MODEL, "float32", "shipped Q4_1 GGUF")
+    if not tiny_draft:
+        out.update(requantized_draft_variants())
     out["torch-fp32"] = DraftVariant("torch-fp32", "torch", target_model, "float32", "fp32 copy of the target")
     out["torch-bf16"] = DraftVariant("torch-bf16", "torch", target_model, "bfloat16", "bf16 copy of the target")
     out["ngram"] = DraftVariant("ngram", "ngram", "ngram", "float32", "prompt lookup, no model")
+    return out
+
+
+REQUANTIZED_DRAFTS = ("Q8_0", "F16")
+
+
+def requantized_draft_variants() -> dict[str, DraftVariant]:
+    """The shipped GGUF re-quantized by llama.cpp's own tool (when the llama.cpp peer is built:
+    scripts/build_llamacpp_peer.sh), as llama.cpp drafts in other precisions. The shipped file
+    is Q4_1, so these hold the same (dequantized Q4_1) weights as the fp32 target, rounded to
+    the type: Q8_0 and F16 differ from the target far less than Q4_1 does at inference, since
+    llama.cpp also quantizes the activations to the weights' dot-product type."""
+    import os
+
+    from specdec import peers
+
+    if not os.access(peers.llamacpp_binary("llama-quantize"), os.X_OK):
+        return {}
+    out = {}
+    for ftype in REQUANTIZED_DRAFTS:
+        name = f"llamacpp-{ftype.lower()}"
+        try:
+            out[name] = DraftVariant(name, "llamacpp", str(peers.requantized_gguf(ftype)), "float32",
+                                     f"shipped GGUF re-quantized to {ftype} by llama-quantize")
+        except Exception as e:  # noqa: BLE001 - this draft is then not offered
+            print(f"draft {name}: could not be made ({e}); left out", file=sys.stderr)
     return out
 
 
