@@ -909,6 +909,10 @@ def _speedups(c: dict, base: dict | None) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Report: Markdown, JSON, plots
 # ----------------------------------------------------------------------------------------------
+def _fmt_ratio(s: dict) -> str:
+    return f"{s['median']:.2f}× ({s['min']:.2f}-{s['max']:.2f})" if s.get("n") else ""
+
+
 def _fmt_spread(s: dict) -> str:
     return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}, ±{s['spread_pct']:.0f}%)" if s.get("n") else ""
 
@@ -934,19 +938,20 @@ def study_markdown(res: dict) -> str:
     base = cells.get(res["baseline_cell"])
     if "ksweep" in res:
         L += ["## k sweep (greedy)", "",
-              "| mode | k | " + " | ".join(f"tok/s L={x}" for x in lengths) + " | speedup vs target-only (L="
-              f"{lengths[0]}) | acceptance | mean accepted tokens/round |",
-              "|---|---|" + "---|" * len(lengths) + "---|---|---|"]
+              "Speedup: median (min-max) of the per-run ratios to target-only in the same run.", "",
+              "| mode | k | " + " | ".join(f"tok/s L={x}" for x in lengths) + " | "
+              + " | ".join(f"speedup L={x}" for x in lengths) + " | acceptance | mean accepted tokens/round |",
+              "|---|---|" + "---|" * (2 * len(lengths)) + "---|---|"]
         if base:
             L.append("| target-only | | " + " | ".join(_fmt_spread(base["by_length"][x]["tok_s"]) for x in lengths)
-                     + " | 1.00× | | |")
+                     + " | " + " | ".join(["1.00×"] * len(lengths)) + " | | |")
         for row in sorted(res["ksweep"], key=lambda r: (r["mode"], r["k"])):
             c = cells[row["cell"]]
-            sp = _speedups(c, base).get(lengths[0], {})
+            sp = _speedups(c, base)
             L.append(f"| {c['mode']} | {c['k']} | " + " | ".join(_fmt_spread(c["by_length"][x]["tok_s"])
                                                                  for x in lengths)
-                     + f" | {sp.get('median', 0):.2f}× | {c['all']['acceptance_rate']:.3f} | "
-                     f"{c['all']['mean_accepted_tokens']:.2f} |")
+                     + " | " + " | ".join(_fmt_ratio(sp.get(x, {})) for x in lengths)
+                     + f" | {c['all']['acceptance_rate']:.3f} | {c['all']['mean_accepted_tokens']:.2f} |")
         L.append("")
     if res.get("ideal"):
         L += ["## Ideal bound and pipeline efficiency", "",
@@ -973,28 +978,32 @@ def study_markdown(res: dict) -> str:
     if "draft_comparison" in res:
         L += [f"## Drafts (k={st['k']}, greedy)", "",
               "| draft | engine | model | dtype | draft RSS MiB | peak RSS MiB | draft ms/token | mode | acceptance | "
-              + " | ".join(f"tok/s L={x}" for x in lengths) + f" | speedup (L={lengths[0]}) |",
-              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(lengths) + "---|"]
+              + " | ".join(f"tok/s L={x}" for x in lengths) + " | " + " | ".join(f"speedup L={x}" for x in lengths)
+              + " |", "|---|---|---|---|---|---|---|---|---|" + "---|" * (2 * len(lengths))]
         for row in res["draft_comparison"]:
             mem = row["memory"]
             dms = row["draft_ms_per_token"]
             for mode, m in row["modes"].items():
-                sp = m["speedup"].get(lengths[0], {})
                 L.append(f"| {row['draft']} | {row['engine']} | {_short(row['model'])} | {row['dtype']} | "
                          f"{mem.get('rss_bytes', 0) / 2**20:.0f} | {mem.get('peak_rss_bytes', 0) / 2**20:.0f} | "
                          f"{'' if dms is None else f'{dms:.2f}'} | {mode} | {m['acceptance_rate']:.3f} | "
                          + " | ".join(_fmt_spread(m["tok_s"][x]) for x in lengths)
-                         + f" | {sp.get('median', 0):.2f}× |")
+                         + " | " + " | ".join(_fmt_ratio(m["speedup"].get(x, {})) for x in lengths) + " |")
         L.append("")
     if "temperature_grid" in res:
         L += [f"## Target × draft temperature (pipelined, k={st['k']}, default draft)", "",
+              "Speedup: against greedy target-only in the same run (a sampled target step costs about "
+              "the same as a greedy one).", "",
               "| target T | draft T | acceptance | mean accepted tokens | " +
-              " | ".join(f"tok/s L={x}" for x in lengths) + " |", "|---|---|---|---|" + "---|" * len(lengths)]
+              " | ".join(f"tok/s L={x}" for x in lengths) + " | " + " | ".join(f"speedup L={x}" for x in lengths)
+              + " |", "|---|---|---|---|" + "---|" * (2 * len(lengths))]
         for row in res["temperature_grid"]:
             c = cells[row["cell"]]
+            sp = _speedups(c, base)
             L.append(f"| {c['temperature']:g} | {c['draft_temperature']:g} | {c['all']['acceptance_rate']:.3f} | "
                      f"{c['all']['mean_accepted_tokens']:.2f} | "
-                     + " | ".join(_fmt_spread(c["by_length"][x]["tok_s"]) for x in lengths) + " |")
+                     + " | ".join(_fmt_spread(c["by_length"][x]["tok_s"]) for x in lengths) + " | "
+                     + " | ".join(_fmt_ratio(sp.get(x, {})) for x in lengths) + " |")
         L.append("")
     if "positions" in res:
         pk = res["positions"]["k"]
@@ -1118,6 +1127,16 @@ def write_plots(out: Path, res: dict) -> list[str]:
     return made
 
 
+def render(out: Path) -> dict:
+    """Rewrite study.md and the plots of `out` from its study.json (no new measurements)."""
+    doc = json.loads((Path(out) / "study.json").read_text())
+    records = [dict(r, rounds=expand_rounds(r["rounds"])) for r in doc.pop("requests")]
+    doc.pop("round_fields", None)
+    doc.pop("plots", None)
+    write_outputs(Path(out), doc, records)
+    return doc
+
+
 def write_outputs(out: Path, res: dict, records: list[dict]) -> None:
     res["plots"] = write_plots(out, res)
     raw = dict(res, round_fields=list(ROUND_FIELDS),
@@ -1165,4 +1184,6 @@ def add_parser(sub) -> None:
     p.add_argument("--drafts", help="comma list of drafts to compare (default: all loadable here)")
     p.add_argument("--target-temps", help="target temperatures of the grid (0,0.6,1.0; quick 0,1.0)")
     p.add_argument("--draft-temps", help="draft temperatures of the grid (0,0.1,0.6,0.8; quick 0,0.6)")
-    p.set_defaults(fn=lambda a: 0 if run_study(a) else 1)
+    p.add_argument("--render", action="store_true",
+                   help="only rewrite study.md and the plots in --out from its study.json (no measurement)")
+    p.set_defaults(fn=lambda a: 0 if (render(Path(a.out)) if a.render else run_study(a)) else 1)
