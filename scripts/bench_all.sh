@@ -7,11 +7,11 @@ cd "$(dirname "$0")/.."
 out=${1:-bench-results}
 ./scripts/install.sh
 ./scripts/build_llamacpp_peer.sh            # llama.cpp's own speculative example (the CPU peer)
-# 1. side by side: our three modes and the peers (~15 min)
-specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128 --k 8 --out "$out/compare"
+# 1. side by side: our three modes and the peers, outputs of 128 and 256 tokens (~25 min)
+specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 --out "$out/compare"
 # 2. the full study on the default pair: k 1-16 in both modes + target-only, outputs of 128 and 256 tokens,
 #    the 3 x 4 target x draft temperature grid, acceptance by position, ideal bound and efficiency;
-#    one prompt from each of the 4 workloads, 3 runs per cell (~85 min)
+#    one prompt from each of the 4 workloads, 3 runs per cell (~95 min)
 specdec study --studies ksweep,temps,positions --prompts 1 --runs 3 --no-progress --out "$out/study"
 # 3. every draft this machine can load (k=8, and k=16 for the position curves), 128 tokens, 2 runs (~25 min)
 specdec study --studies drafts,positions --prompts 1 --lengths 128 --runs 2 --no-progress --out "$out/drafts"
