@@ -38,10 +38,26 @@ class _Stream:
             raise Unavailable(f"{self.peer} closed the session stream ({code})")
         return reply
 
-    async def close(self) -> None:
-        if self.call is not None:
-            self.call.cancel()
-            self.call = None
+    async def close(self, grace_s: float = 0.5) -> None:
+        """End the stream and wait (at most `grace_s`) for the service to end it too, i.e. to have
+        closed the session, so that its slot is free before the next request opens one (a burst of
+        short requests otherwise finds the draft at its session limit and falls back to target-only).
+        A peer that is down or slow is not waited for: the call is cancelled."""
+        call, self.call = self.call, None
+        if call is None:
+            return
+        try:
+            await asyncio.wait_for(_drain(call), grace_s)
+        except Exception:  # noqa: BLE001 - a broken or slow peer: cancelling is enough
+            pass
+        finally:
+            call.cancel()
+
+
+async def _drain(call) -> None:
+    await call.done_writing()
+    while await call.read() is not grpc.aio.EOF:
+        pass
 
 
 class GrpcTargetSession:

@@ -142,7 +142,8 @@ class Peers:
                                                threads=self.threads, measure_prefill=False)
             else:
                 r = peers.llamacpp_speculative(p["text"], max_tokens, draft_max=4, threads=self.threads)
-                extra.setdefault("acceptance", []).append(r.extra.get("acceptance"))
+                extra.setdefault("acceptance", []).append(r.extra.get("accept_rate"))
+                extra.setdefault("decode_tokens_per_s", []).append(r.extra.get("decode_tokens_per_s"))
             tokens += r.n_new
         return tokens, time.perf_counter() - t0, extra
 

@@ -84,6 +84,18 @@ def test_modes_agree_on_tiny_models(tiny_stack):
     assert outs["target-only"] == outs["sequential"] == outs["pipelined"]
 
 
+def test_a_burst_of_short_requests_keeps_the_draft(tiny_stack):
+    """Each request's draft session is closed on the draft before the request ends, so a burst of
+    short (or failing) requests never finds the draft at its session limit (16)."""
+    with Client(tiny_stack.address("orchestrator")) as c:
+        for i in range(40):
+            if i % 2:
+                _code(lambda: c.complete("x", max_tokens=2, top_p=2.0))  # fails at validation
+            _code(lambda: c.complete(token_ids=list(range(100, 600)), max_tokens=2, mode="pipelined"))
+            res = c.complete("Hi", max_tokens=3, ignore_eos=True, mode="pipelined", k=2)
+            assert res.stats["draft_fallback_rounds"] == 0, i
+
+
 def test_sampled_output_is_reproducible_per_seed(tiny_stack):
     with Client(tiny_stack.address("orchestrator")) as c:
         kw = dict(max_tokens=16, ignore_eos=True, temperature=0.9, draft_temperature=0.5, k=4, mode="pipelined")
