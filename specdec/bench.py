@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specdec.studies import spread
+
 OURS = ("target-only", "sequential", "pipelined")
 PEERS = ("hf-generate", "hf-assisted", "llamacpp-spec")
 
@@ -47,12 +49,6 @@ class SystemRun:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def spread(values: list[float]) -> dict:
-    med = statistics.median(values)
-    return {"median": med, "min": min(values), "max": max(values),
-            "spread_pct": 100.0 * (max(values) - min(values)) / med if med else 0.0, "n": len(values)}
 
 
 def chat_prompt_ids(tokenizer, messages) -> list[int]:
