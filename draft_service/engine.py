@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from draft_service.drafters import Drafter, DraftSequence, SparseDist
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -21,13 +22,18 @@ class Proposal:
 
 @dataclass
 class _Session:
-    seq: DraftSequence
+    prompt_ids: list[int]
     sampling: SamplingParams
     max_support: int
-    lock: threading.Lock
+    seq: DraftSequence | None = None  # the drafter's state, made by `prefill`
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held by the job in flight
+    closed: bool = False
 
 
 class DraftEngine:
+    """Draft sessions over one drafter. `close` is synchronous and safe at any moment: a session
+    closed while a job of its own runs is released by whichever of the two finishes last."""
+
     def __init__(self, drafter: Drafter, max_sessions: int = 16, default_max_support: int = 64):
         self.drafter = drafter
         self.max_sessions = max_sessions
@@ -39,8 +45,13 @@ class DraftEngine:
     def active_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def kv_tokens_in_use(self) -> int:
+        return sum(s.seq.fed for s in list(self._sessions.values()) if s.seq is not None)
+
     def open(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams,
-             target_fingerprint: str, target_vocab_size: int, max_support: int = 0) -> float:
+             target_fingerprint: str, target_vocab_size: int, max_support: int = 0) -> None:
+        """Admit a session (validation, limits, registration); no model work. See `prefill`."""
         sampling.validate("draft_")
         if max_support < 0:
             raise InvalidArgument(f"max_support must be >= 0, got {max_support}")
@@ -61,26 +72,25 @@ class DraftEngine:
                 raise FailedPrecondition(f"draft session {session_id!r} already open")
             if len(self._sessions) >= self.max_sessions:
                 raise ResourceExhausted(f"draft is at its limit of {self.max_sessions} sessions")
-            self._sessions[session_id] = None  # type: ignore[assignment]  # reserve the slot
-        try:
+            self._sessions[session_id] = _Session(list(prompt_ids), sampling,
+                                                  max_support or self.default_max_support)
+
+    def prefill(self, session_id: str) -> float:
+        """The model work of an open: feed the prompt. Returns its milliseconds."""
+        s = self._get(session_id)
+        with self._job(s):
             t0 = time.perf_counter()
-            seq = self.drafter.new_sequence(prompt_ids)
-            self._sessions[session_id] = _Session(seq, sampling, max_support or self.default_max_support,
-                                                  threading.Lock())
+            s.seq = self.drafter.new_sequence(s.prompt_ids)
             return (time.perf_counter() - t0) * 1e3
-        except BaseException:
-            with self._lock:
-                self._sessions.pop(session_id, None)
-            raise
 
     def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int) -> Proposal:
-        s = self._sessions.get(session_id)
-        if s is None:
-            raise NotFound(f"no draft session {session_id!r}")
+        s = self._get(session_id)
         if not 0 <= k <= MAX_K:
             raise InvalidArgument(f"k must be in [0, {MAX_K}], got {k}")
-        with s.lock:
+        with self._job(s):
             seq = s.seq
+            if seq is None:
+                raise FailedPrecondition("propose before the session's prefill finished")
             if not 0 <= keep <= len(seq.tokens):
                 raise InvalidArgument(f"keep={keep} but the draft holds {len(seq.tokens)} tokens")
             if keep + len(append) + k > self.drafter.max_context:
@@ -94,7 +104,36 @@ class DraftEngine:
             return Proposal(tokens, dists, (time.perf_counter() - t0) * 1e3)
 
     def close(self, session_id: str) -> None:
+        """Forget the session (idempotent, never blocks); its drafter state is released now, or
+        by its job in flight when that ends."""
         with self._lock:
             s = self._sessions.pop(session_id, None)
         if s is not None:
-            self.drafter.release(s.seq)
+            s.closed = True
+            self._release_if_idle(s)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _get(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"no draft session {session_id!r}")
+        return s
+
+    @contextmanager
+    def _job(self, s: _Session):
+        try:
+            with s.lock:
+                if s.closed:
+                    raise NotFound("draft session closed")
+                yield
+        finally:
+            self._release_if_idle(s)  # after the lock: close() may have found it held
+
+    def _release_if_idle(self, s: _Session) -> None:
+        if s.closed and s.lock.acquire(blocking=False):
+            try:
+                seq, s.seq = s.seq, None
+                if seq is not None:
+                    self.drafter.release(seq)
+            finally:
+                s.lock.release()

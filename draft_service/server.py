@@ -13,7 +13,7 @@ from specdec import metrics
 from specdec.config import DraftConfig
 from specdec.devices import configure_process, process_memory_bytes, resolve_device
 from specdec.errors import InvalidArgument
-from specdec.rpc import Server, sampling_from_proto, serve_session
+from specdec.rpc import Server, StreamSession, sampling_from_proto, serve_session
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specdec.draft")
@@ -47,7 +47,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             model=d.model, engine=d.engine, tokenizer_fingerprint=d.fingerprint, vocab_size=d.vocab_size,
             max_context=min(d.max_context, 2**31 - 1), dtype=self.cfg.dtype if d.engine == "torch" else "",
             device=self.device, weight_bytes=d.weight_bytes, kv_bytes_per_token=d.kv_bytes_per_token,
-            max_sessions=self.engine.max_sessions, active_sessions=self.engine.active_sessions)
+            max_sessions=self.engine.max_sessions, active_sessions=self.engine.active_sessions,
+            kv_tokens_in_use=self.engine.kv_tokens_in_use)
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.engine is None:
@@ -56,23 +57,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                          self._close):
             yield reply
 
-    async def _open(self, o: draft_pb2.DraftOpen, sid: None) -> draft_pb2.DraftResponse:
-        ms = await self._run(self.engine.open, o.session_id, list(o.prompt_token_ids),
-                             sampling_from_proto(o.sampling), o.target_tokenizer_fingerprint,
-                             o.target_vocab_size, o.max_support)
-        metrics.DRAFT_SESSIONS.set(self.engine.active_sessions)
+    async def _open(self, o: draft_pb2.DraftOpen, owner: StreamSession) -> draft_pb2.DraftResponse:
+        self.engine.open(o.session_id, list(o.prompt_token_ids), sampling_from_proto(o.sampling),
+                         o.target_tokenizer_fingerprint, o.target_vocab_size, o.max_support)
+        owner.session_id = o.session_id
+        ms = await self._run(self.engine.prefill, o.session_id)
         return draft_pb2.DraftResponse(opened=draft_pb2.DraftOpened(prefill_ms=ms))
 
-    async def _propose(self, p: draft_pb2.DraftPropose, sid: str) -> draft_pb2.DraftResponse:
-        res = await self._run(self.engine.propose, sid, p.keep, list(p.append_token_ids), p.k, p.seed)
+    async def _propose(self, p: draft_pb2.DraftPropose, owner: StreamSession) -> draft_pb2.DraftResponse:
+        res = await self._run(self.engine.propose, owner.session_id, p.keep, list(p.append_token_ids), p.k, p.seed)
         metrics.DRAFT_SECONDS.observe(res.draft_ms / 1e3)
         return draft_pb2.DraftResponse(proposal=draft_pb2.DraftProposal(
             token_ids=res.token_ids, draft_ms=res.draft_ms,
             dists=[common_pb2.SparseDistribution(token_ids=i, probs=q) for i, q in res.dists]))
 
-    async def _close(self, sid: str) -> None:
-        await self._run(self.engine.close, sid)
-        metrics.DRAFT_SESSIONS.set(self.engine.active_sessions)
+    def _close(self, sid: str) -> None:
+        self.engine.close(sid)
 
 
 async def serve(cfg: DraftConfig) -> None:
@@ -85,7 +85,8 @@ async def serve(cfg: DraftConfig) -> None:
     await server.set_serving(False)
     log.info("draft service on %s, loading %s engine %s", server.address, cfg.engine, cfg.model)
     drafter = await asyncio.to_thread(make_drafter, cfg, device)
-    servicer.engine = DraftEngine(drafter, cfg.max_sessions, cfg.max_support)
+    servicer.engine = engine = DraftEngine(drafter, cfg.max_sessions, cfg.max_support)
+    metrics.DRAFT_SESSIONS.set_function(lambda: engine.active_sessions)
     metrics.start(cfg.host, cfg.metrics_port, "draft", lambda: process_memory_bytes(device), drafter.weight_bytes,
                   drafter.kv_bytes_per_token)
     await server.set_serving(True)

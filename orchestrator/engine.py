@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
+from specdec.aio import cancel_and_wait, quietly
 from specdec.errors import FailedPrecondition, InvalidArgument, SpecdecError
 from specdec.sampling import SamplingParams, derive_seed
 from specdec.stats import RoundRecord, Summary, summarize
@@ -131,7 +132,7 @@ class OrchestratorSettings:
     default_draft_temperature: float = -1.0
     default_draft_top_k: int = 0
     default_draft_top_p: float = 1.0
-    draft_retry_interval_s: float = 1.0  # within a request, how often to try the draft again
+    probe_interval_s: float = 1.0  # within a request, how often to try a down draft again
 
 
 @dataclass
@@ -248,7 +249,7 @@ class Orchestrator:
                 raise FailedPrecondition(str(getattr(e, "details", lambda: e)())) from e
             log.warning("draft session could not be opened (%s); serving target-only", e)
             self.backends.draft_failed(e)
-            await _quiet_close(ds)
+            await quietly(ds.close(), "draft session close")
             return None
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
@@ -286,7 +287,7 @@ class Orchestrator:
                         seed=seed, k=req.k, mode=mode)
             ready: DraftResult | None = None  # drafts prepared by the pipeline for the next round
             attach_no = 1
-            next_attach = time.perf_counter() + self.settings.draft_retry_interval_s
+            next_attach = time.perf_counter() + self.settings.probe_interval_s
             while not finish:
                 t_round = time.perf_counter()
                 remaining = req.max_new_tokens - len(out)
@@ -295,7 +296,7 @@ class Orchestrator:
                 if want_draft and draft is None and time.perf_counter() >= next_attach:
                     draft = await self._open_draft(f"{sid}-d{attach_no}", list(committed), req)
                     attach_no += 1
-                    next_attach = time.perf_counter() + self.settings.draft_retry_interval_s
+                    next_attach = time.perf_counter() + self.settings.probe_interval_s
                     mirror = list(committed)
                     ready = None
                 drafts: list[int] = []
@@ -327,8 +328,7 @@ class Orchestrator:
                 try:
                     v = await target.verify(drafts, dists)
                 except BaseException:
-                    if spec_task is not None:
-                        spec_task.cancel()
+                    await cancel_and_wait(spec_task)
                     raise
                 t_v1 = time.perf_counter()
                 new = drafts[: v.num_accepted] + [v.next_token]
@@ -368,14 +368,14 @@ class Orchestrator:
             summary = summarize(rounds, len(req.prompt_ids), len(out), ttft_ms, total_ms)
             yield Event([], "", summary=summary, finish_reason=finish[2], seed=seed, k=req.k, mode=mode)
         finally:
-            await _quiet_close(target)
+            await quietly(target.close(), "target session close")
             if draft is not None:
-                await _quiet_close(draft)
+                await quietly(draft.close(), "draft session close")
 
     async def _drop_draft(self, draft: DraftSession, error: BaseException) -> None:
         log.warning("draft failed mid-request (%s); continuing target-only", error)
         self.backends.draft_failed(error)
-        await _quiet_close(draft)
+        await quietly(draft.close(), "draft session close")
         return None
 
     def _finish(self, out: list[int], req: GenerationRequest, eos: set[int], detok: _Detokenizer):
@@ -398,13 +398,6 @@ async def _timed(coro) -> DraftResult:
     res = await coro
     res.started, res.finished = started, time.perf_counter()
     return res
-
-
-async def _quiet_close(session) -> None:
-    try:
-        await session.close()
-    except Exception:  # closing a broken session must not fail the request
-        pass
 
 
 def _is_precondition(e: BaseException) -> bool:

@@ -24,7 +24,8 @@ class LocalTargetSession:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
 
     async def open(self, prompt_ids, sampling: SamplingParams, seed: int) -> TargetOpenResult:
-        o = await self._run(self.engine.open, self.sid, list(prompt_ids), sampling, seed)
+        self.engine.open(self.sid, list(prompt_ids), sampling, seed)
+        o = await self._run(self.engine.prefill, self.sid)
         return TargetOpenResult(o.first_token, o.prefill_ms)
 
     async def verify(self, draft_ids, dists) -> VerifyResult:
@@ -44,15 +45,15 @@ class LocalDraftSession:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
 
     async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size) -> float:
-        return await self._run(self.engine.open, self.sid, list(prompt_ids), sampling, target_fingerprint,
-                               target_vocab_size)
+        self.engine.open(self.sid, list(prompt_ids), sampling, target_fingerprint, target_vocab_size)
+        return await self._run(self.engine.prefill, self.sid)
 
     async def propose(self, keep, append, k, seed) -> DraftResult:
         p = await self._run(self.engine.propose, self.sid, keep, list(append), k, seed)
         return DraftResult(p.token_ids, p.dists, p.draft_ms)
 
     async def close(self):
-        await self._run(self.engine.close, self.sid)
+        self.engine.close(self.sid)
 
 
 class LocalBackends:

@@ -11,6 +11,7 @@ from orchestrator.clients import GrpcBackends
 from orchestrator.engine import MODE_NAMES, GenerationRequest, Mode, Orchestrator, OrchestratorSettings
 from specdec import metrics, models
 from specdec.config import OrchestratorConfig
+from specdec.aio import cancelled_by_caller
 from specdec.devices import process_memory_bytes
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.rpc import Server, abort_with, sampling_from_proto
@@ -28,7 +29,7 @@ def settings_from(cfg: OrchestratorConfig) -> OrchestratorSettings:
     return OrchestratorSettings(
         default_k=cfg.default_k, max_k=cfg.max_k, default_mode=MODE_NAMES[cfg.default_mode],
         default_draft_temperature=cfg.default_draft_temperature, default_draft_top_k=cfg.default_draft_top_k,
-        default_draft_top_p=cfg.default_draft_top_p, draft_retry_interval_s=cfg.draft_retry_interval_s)
+        default_draft_top_p=cfg.default_draft_top_p, probe_interval_s=cfg.probe_interval_s)
 
 
 class Prompter:
@@ -82,6 +83,7 @@ class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer):
     async def GetInfo(self, request, context) -> specdec_pb2.ServerInfo:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
+        await self.backends.refresh()  # live occupancy (active sessions), not the last probe's
         return specdec_pb2.ServerInfo(
             target=self.backends.target_info, draft=self.backends.draft_info or common_pb2.ModelInfo(),
             draft_available=self.backends.draft_up, default_k=self.settings.default_k, max_k=self.settings.max_k,
@@ -109,7 +111,6 @@ class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"orchestrator is at its limit of {self.cfg.max_sessions} concurrent requests")
         self.running += 1
-        metrics.REQUESTS_RUNNING.set(self.running)
         try:
             req = self._request(request)
             round_no = 0
@@ -128,13 +129,16 @@ class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer):
                     chunk.summary.CopyFrom(_summary_proto(ev, req))
                     _observe_summary(ev)
                 yield chunk
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except grpc.aio.AbortError:
             raise
+        except asyncio.CancelledError as e:
+            if cancelled_by_caller():
+                raise
+            await abort_with(context, e)  # a cancelled peer call, not ours: never end without a status
         except Exception as e:  # noqa: BLE001 - mapped to a status
             await abort_with(context, e)
         finally:
             self.running -= 1
-            metrics.REQUESTS_RUNNING.set(self.running)
 
 
 def _summary_proto(ev, req: GenerationRequest) -> specdec_pb2.Summary:
@@ -180,19 +184,26 @@ def _observe_summary(ev) -> None:
 
 async def serve(cfg: OrchestratorConfig, tokenizer_spec: str = "") -> None:
     server = Server(cfg.host, cfg.port, [SERVICE_NAME])
-    backends = GrpcBackends(cfg.target_address, cfg.draft_address, cfg.rpc_timeout_s, cfg.draft_retry_interval_s)
+    servicer: SpecDecServicer | None = None
+
+    async def follow_target(up: bool) -> None:  # our health is the target's, once we are ready
+        if servicer is not None and servicer.engine is not None:
+            await server.set_serving(up)
+
+    backends = GrpcBackends(cfg.target_address, cfg.draft_address, cfg.rpc_timeout_s, cfg.probe_interval_s,
+                            on_target_change=follow_target)
     servicer = SpecDecServicer(cfg, backends)
     specdec_pb2_grpc.add_SpecDecServicer_to_server(servicer, server.server)
     await server.start()
     await server.set_serving(False)
     log.info("orchestrator on %s, waiting for the target at %s", server.address, cfg.target_address)
-    backends.start_monitor()
     info = await backends.connect_target()
     spec = tokenizer_spec or info.model
     tokenizer = await asyncio.to_thread(lambda: models.load_tokenizer(models.resolve(spec)))
     servicer.attach(tokenizer)
     metrics.start(cfg.host, cfg.metrics_port, "orchestrator", process_memory_bytes)
-    await server.set_serving(True)
+    metrics.REQUESTS_RUNNING.set_function(lambda: servicer.running)
+    backends.start_monitor()
     log.info("orchestrator ready on %s (target %s, draft %s)", server.address, info.model,
              cfg.draft_address or "none")
     await server.run_until_signal(cfg.shutdown_grace_s, backends.close)

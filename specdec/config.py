@@ -71,7 +71,7 @@ class OrchestratorConfig(ServiceConfig):
     default_draft_temperature: float = -1.0
     default_draft_top_k: int = 0
     default_draft_top_p: float = 1.0
-    draft_retry_interval_s: float = 1.0
+    probe_interval_s: float = 1.0  # how often the target and draft are probed (health, draft re-attach)
     rpc_timeout_s: float = 60.0
     max_sessions: int = 64
 

@@ -19,10 +19,19 @@ SERVICES = ("target", "draft", "orchestrator")
 MODULES = {"target": "target_service", "draft": "draft_service", "orchestrator": "orchestrator"}
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one this process handed out before (the OS may offer a just
+    closed port again, and a stack asks for several before any service binds them)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def is_serving(address: str, timeout_s: float = 1.0) -> bool:

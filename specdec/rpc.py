@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.aio import cancelled_by_caller
 from specdec.errors import SpecdecError
 
 log = logging.getLogger(__name__)
@@ -40,35 +42,49 @@ async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) ->
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
+@dataclass
+class StreamSession:
+    """What one session stream owns. The open handler sets `session_id` as soon as the engine
+    has admitted the session (before any model work), so that however the stream ends the
+    session is closed: a deadline or cancel during the prefill included."""
+
+    session_id: str | None = None
+
+
 async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
-                        handlers: dict[str, Callable], close: Callable[[str], Awaitable[None]]):
+                        handlers: dict[str, Callable[[object, StreamSession], Awaitable[object]]],
+                        close: Callable[[str], None]):
     """One session per bidirectional stream, shared by the target and draft services.
 
     The first message (`open`) opens the session; each later message is handled by
-    `handlers[kind](message, session_id)`; the session is closed when the stream ends,
-    however it ends. Errors become gRPC statuses (see `abort_with`).
+    `handlers[kind](message, owner)`. When the stream ends, however it ends, `close` runs:
+    it is synchronous (the engine frees the session itself, after any work in flight), so
+    a cancellation of this handler cannot skip or abandon it. Errors become gRPC statuses
+    (see `abort_with`).
     """
-    sid = None
+    owner = StreamSession()
+    opened = False
     try:
         async for req in request_iterator:
             kind = req.WhichOneof("kind")
             if kind is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request")
-            if (kind == "open") != (sid is None):
+            if (kind == "open") == opened:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    "session already open on this stream" if sid else f"{kind} before open")
-            msg = getattr(req, kind)
-            reply = await handlers[kind](msg, sid)
-            if kind == "open":
-                sid = msg.session_id
-            yield reply
-    except (asyncio.CancelledError, grpc.aio.AbortError):
+                                    "session already open on this stream" if opened else f"{kind} before open")
+            opened = True
+            yield await handlers[kind](getattr(req, kind), owner)
+    except grpc.aio.AbortError:
         raise
+    except asyncio.CancelledError as e:
+        if cancelled_by_caller():
+            raise
+        await abort_with(context, e)  # a cancelled peer call, not ours: never end without a status
     except Exception as e:  # noqa: BLE001 - mapped to a status
         await abort_with(context, e)
     finally:
-        if sid is not None:
-            await close(sid)
+        if owner.session_id is not None:
+            close(owner.session_id)
 
 
 class Server:

@@ -481,7 +481,7 @@ class LiveStack:
 
         self.cfg = local_config(cfg)
         self.cfg.draft.metrics_port = free_port()
-        self.cfg.orchestrator.draft_retry_interval_s = retry_interval_s
+        self.cfg.orchestrator.probe_interval_s = retry_interval_s
         self.log_dir = Path(log_dir)
         self.variants = variants
         self.current = variant_of(self.cfg.draft, variants)

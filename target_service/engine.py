@@ -49,6 +49,7 @@ class _Session:
     sampling: SamplingParams
     generator: torch.Generator
     reserved_tokens: int
+    prompt_ids: list[int] = field(default_factory=list)
     num_committed: int = 0
     rounds: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -77,7 +78,8 @@ class TargetEngine:
         return s
 
     # -- API -----------------------------------------------------------------------------
-    def open(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int) -> Opened:
+    def open(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int) -> None:
+        """Admit a session (validation, limits, registration); no model work. See `prefill`."""
         sampling.validate()
         if not prompt_ids:
             raise InvalidArgument("prompt is empty")
@@ -97,18 +99,20 @@ class TargetEngine:
                 raise ResourceExhausted(
                     f"target KV budget full: {reserved} of {self.limits.kv_budget_tokens} tokens in use, "
                     f"prompt needs {len(prompt_ids)}")
-            s = _Session(self.runner.new_cache(), -1, sampling, make_generator(seed), len(prompt_ids))
-            self._sessions[session_id] = s
-        try:
+            self._sessions[session_id] = _Session(self.runner.new_cache(), -1, sampling, make_generator(seed),
+                                                  len(prompt_ids), prompt_ids=list(prompt_ids))
+
+    def prefill(self, session_id: str) -> Opened:
+        """The model work of an open: the prompt's forward and the first token. A session closed
+        meanwhile just drops its cache when this returns."""
+        s = self._get(session_id)
+        with s.lock:
             t0 = time.perf_counter()
-            logits = self.runner.forward(s.cache, list(prompt_ids))[-1:]  # [1, V]
-            p = processed_probs(logits, sampling)[0]  # [V]
+            logits = self.runner.forward(s.cache, s.prompt_ids)[-1:]  # [1, V]
+            p = processed_probs(logits, s.sampling)[0]  # [V]
             s.pending = sample_index(p, s.generator)
-            s.num_committed = len(prompt_ids) + 1
+            s.num_committed = len(s.prompt_ids) + 1
             return Opened(s.pending, (time.perf_counter() - t0) * 1e3, s.cache.length)
-        except BaseException:
-            self.close(session_id)
-            raise
 
     def verify(self, session_id: str, draft_ids: list[int],
                draft_dists: list[tuple[list[int], list[float]]]) -> Verified:
@@ -155,5 +159,7 @@ class TargetEngine:
             return Verified(out.num_accepted, out.next_token, (time.perf_counter() - t0) * 1e3, s.cache.length)
 
     def close(self, session_id: str) -> None:
+        """Forget the session (idempotent, never blocks): its KV is dropped with it, after any
+        forward in flight for it."""
         with self._lock:
             self._sessions.pop(session_id, None)

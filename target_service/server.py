@@ -10,7 +10,7 @@ import grpc
 from specdec import metrics
 from specdec.config import TargetConfig
 from specdec.devices import configure_process, process_memory_bytes, resolve_device
-from specdec.rpc import Server, sampling_from_proto, serve_session
+from specdec.rpc import Server, StreamSession, sampling_from_proto, serve_session
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine, TargetLimits
 
@@ -32,7 +32,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             model=self.model_spec, engine="torch", tokenizer_fingerprint=r.fingerprint, vocab_size=r.vocab_size,
             max_context=r.max_context, eos_token_ids=r.eos_token_ids, dtype=r.dtype, device=self.device,
             weight_bytes=r.weight_bytes, kv_bytes_per_token=r.kv_bytes_per_token,
-            max_sessions=self.engine.limits.max_sessions, active_sessions=self.engine.active_sessions)
+            max_sessions=self.engine.limits.max_sessions, active_sessions=self.engine.active_sessions,
+            kv_tokens_in_use=self.engine.kv_tokens_in_use)
 
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         if self.engine is None:
@@ -49,27 +50,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                          self._close):
             yield reply
 
-    async def _open(self, o: target_pb2.TargetOpen, sid: None) -> target_pb2.TargetResponse:
-        opened = await self._run(self.engine.open, o.session_id, list(o.prompt_token_ids),
-                                 sampling_from_proto(o.sampling), o.seed)
-        metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
+    async def _open(self, o: target_pb2.TargetOpen, owner: StreamSession) -> target_pb2.TargetResponse:
+        self.engine.open(o.session_id, list(o.prompt_token_ids), sampling_from_proto(o.sampling), o.seed)
+        owner.session_id = o.session_id
+        opened = await self._run(self.engine.prefill, o.session_id)
         metrics.PREFILL_SECONDS.observe(opened.prefill_ms / 1e3)
         return target_pb2.TargetResponse(opened=target_pb2.TargetOpened(
             first_token=opened.first_token, prefill_ms=opened.prefill_ms, kv_tokens=opened.kv_tokens))
 
-    async def _verify(self, v: target_pb2.TargetVerify, sid: str) -> target_pb2.TargetResponse:
+    async def _verify(self, v: target_pb2.TargetVerify, owner: StreamSession) -> target_pb2.TargetResponse:
         dists = [(list(d.token_ids), list(d.probs)) for d in v.draft_dists]
-        res = await self._run(self.engine.verify, sid, list(v.draft_token_ids), dists)
+        res = await self._run(self.engine.verify, owner.session_id, list(v.draft_token_ids), dists)
         metrics.VERIFY_SECONDS.observe(res.verify_ms / 1e3)
-        metrics.KV_TOKENS.set(self.engine.kv_tokens_in_use)
         return target_pb2.TargetResponse(verified=target_pb2.TargetVerified(
             num_accepted=res.num_accepted, next_token=res.next_token, verify_ms=res.verify_ms,
             kv_tokens=res.kv_tokens))
 
-    async def _close(self, sid: str) -> None:
+    def _close(self, sid: str) -> None:
         self.engine.close(sid)
-        metrics.TARGET_SESSIONS.set(self.engine.active_sessions)
-        metrics.KV_TOKENS.set(self.engine.kv_tokens_in_use)
 
 
 async def serve(cfg: TargetConfig) -> None:
@@ -86,6 +84,8 @@ async def serve(cfg: TargetConfig) -> None:
     runner = await asyncio.to_thread(ModelRunner.load, cfg.model, cfg.dtype, device)
     engine = TargetEngine(runner, TargetLimits(cfg.max_sessions, cfg.kv_budget_tokens))
     servicer.engine = engine
+    metrics.TARGET_SESSIONS.set_function(lambda: engine.active_sessions)
+    metrics.KV_TOKENS.set_function(lambda: engine.kv_tokens_in_use)
     metrics.start(cfg.host, cfg.metrics_port, "target", lambda: process_memory_bytes(device), runner.weight_bytes,
                   runner.kv_bytes_per_token)
     await server.set_serving(True)

@@ -68,7 +68,7 @@ def default_stack(tmp_path_factory):
     cfg.target.metrics_port = free_port()
     cfg.draft.metrics_port = free_port()
     cfg.orchestrator.metrics_port = free_port()
-    cfg.orchestrator.draft_retry_interval_s = 0.5
+    cfg.orchestrator.probe_interval_s = 0.5
     stack = Stack(cfg, tmp_path_factory.mktemp("default-stack")).start()
     try:
         stack.wait_ready(600)

@@ -1,6 +1,8 @@
 """The draft engine keeps its cache consistent with what the orchestrator says it holds."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ def engine(runner, **kw):
 def fresh(runner, tokens, k):
     e = engine(runner)
     e.open("f", tokens, SamplingParams(), runner.fingerprint, runner.vocab_size)
+    e.prefill("f")
     return e.propose("f", len(tokens), [], k, 0).token_ids
 
 
@@ -41,6 +44,7 @@ def test_proposals_after_any_rollback_equal_a_fresh_session(runner, k, accepted)
     prompt = [1, 5, 9, 13, 2]
     e = engine(runner)
     e.open("s", prompt, SamplingParams(), runner.fingerprint, runner.vocab_size)
+    e.prefill("s")
     first = e.propose("s", len(prompt), [], k, 0).token_ids
     n = min(accepted, k)
     correction = (first[n] + 1) % 64 if n < k else 7
@@ -57,6 +61,7 @@ def test_engine_errors(runner):
     with pytest.raises(FailedPrecondition, match="tokenizer"):
         e.open("a", [1, 2], SamplingParams(), "other-fingerprint", runner.vocab_size)
     e.open("a", [1, 2], SamplingParams(), runner.fingerprint, runner.vocab_size)
+    e.prefill("a")
     with pytest.raises(ResourceExhausted):
         e.open("b", [1, 2], SamplingParams(), runner.fingerprint, runner.vocab_size)
     with pytest.raises(InvalidArgument, match="keep"):
@@ -73,7 +78,53 @@ def test_ngram_drafter_copies_what_followed_the_last_match():
     d = NgramDrafter(max_ngram=2)
     e = DraftEngine(d)
     e.open("s", [1, 2, 3, 4, 1, 2], SamplingParams(), "", 0)
+    e.prefill("s")
     p = e.propose("s", 6, [], 3, 0)
     assert p.token_ids == [3, 4, 1]
     assert p.dists == [([3], [1.0]), ([4], [1.0]), ([1], [1.0])]
     assert e.propose("s", 6, [9], 3, 0).token_ids == []  # no earlier 9: nothing to propose
+
+
+class _GatedDrafter(NgramDrafter):
+    """An n-gram drafter whose prefill waits for a gate, counting releases (close-race tests)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.released = 0
+
+    def new_sequence(self, prompt_ids):
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().new_sequence(prompt_ids)
+
+    def release(self, seq):
+        self.released += 1
+
+
+@pytest.mark.parametrize("close_at", ["before prefill", "during prefill", "after prefill"])
+def test_close_at_any_moment_releases_the_session_exactly_once(close_at):
+    d = _GatedDrafter()
+    e = DraftEngine(d, max_sessions=1)
+    e.open("s", [1, 2, 3], SamplingParams(), "", 0)
+    if close_at == "before prefill":
+        e.close("s")
+        d.gate.set()
+        with pytest.raises(NotFound):
+            e.prefill("s")
+    else:
+        t = threading.Thread(target=lambda: e.prefill("s"))
+        if close_at == "after prefill":
+            d.gate.set()
+        t.start()
+        assert d.entered.wait(10)
+        if close_at == "after prefill":
+            t.join(10)
+        e.close("s")  # never blocks, whatever the job is doing
+        assert e.active_sessions == 0
+        d.gate.set()
+        t.join(10)
+    e.close("s")  # idempotent
+    assert d.released == (0 if close_at == "before prefill" else 1)
+    e.open("t", [1, 2], SamplingParams(), "", 0)  # the slot is free again

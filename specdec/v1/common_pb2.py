@@ -13,7 +13,7 @@ from google.protobuf.internal import builder as _builder
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x89\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cweight_bytes\x18\t \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x03\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0c \x01(\x05\"\r\n\x0bInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa3\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x14\n\x0cweight_bytes\x18\t \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\n \x01(\x03\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0c \x01(\x05\x12\x18\n\x10kv_tokens_in_use\x18\r \x01(\x03\"\r\n\x0bInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -25,7 +25,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDISTRIBUTION']._serialized_start=159
   _globals['_SPARSEDISTRIBUTION']._serialized_end=213
   _globals['_MODELINFO']._serialized_start=216
-  _globals['_MODELINFO']._serialized_end=481
-  _globals['_INFOREQUEST']._serialized_start=483
-  _globals['_INFOREQUEST']._serialized_end=496
+  _globals['_MODELINFO']._serialized_end=507
+  _globals['_INFOREQUEST']._serialized_start=509
+  _globals['_INFOREQUEST']._serialized_end=522
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "engine", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "dtype", "device", "weight_bytes", "kv_bytes_per_token", "max_sessions", "active_sessions")
+    __slots__ = ("model", "engine", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "dtype", "device", "weight_bytes", "kv_bytes_per_token", "max_sessions", "active_sessions", "kv_tokens_in_use")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class ModelInfo(_message.Message):
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     tokenizer_fingerprint: str
@@ -50,7 +51,8 @@ class ModelInfo(_message.Message):
     kv_bytes_per_token: int
     max_sessions: int
     active_sessions: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+    kv_tokens_in_use: int
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_tokens_in_use: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,195 @@
+"""Session lifecycle under load and faults, through real service processes on loopback.
+
+Whatever way a request ends (completion, a client deadline during the prefill, a target that
+dies or refuses a round while a speculative draft call is in flight), both services end up
+holding no session and no KV, the client gets a clear status in seconds, and the gauges on
+/metrics come back to zero. The orchestrator's health follows the target's.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec import Client
+from specdec.launcher import Stack, free_port, local_config
+from specdec.studies import scrape_metrics
+
+pytestmark = pytest.mark.slow
+
+MODES = ("target-only", "sequential", "pipelined")
+
+
+def gauges(stack: Stack) -> dict[str, float]:
+    """The occupancy gauges of all three services."""
+    c = stack.cfg
+    t = scrape_metrics(c.target.host, c.target.metrics_port)
+    o = scrape_metrics(c.orchestrator.host, c.orchestrator.metrics_port)
+    out = {"target_sessions": t["specdec:target_sessions"], "kv_cache_tokens": t["specdec:kv_cache_tokens"],
+           "requests_running": o["specdec:num_requests_running"]}
+    if stack.with_draft and stack.procs["draft"].poll() is None:
+        out["draft_sessions"] = scrape_metrics(c.draft.host, c.draft.metrics_port)["specdec:draft_sessions"]
+    return out
+
+
+def wait_all_zero(stack: Stack, within_s: float) -> dict[str, float]:
+    """Poll until every gauge reads 0; returns the last reading (the caller asserts)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        g = gauges(stack)
+        if not any(g.values()) or time.monotonic() > deadline:
+            return g
+        time.sleep(0.05)
+
+
+def held(stack: Stack) -> dict[str, int]:
+    """Sessions and KV entries each service says it holds (its Info, through the orchestrator)."""
+    with Client(stack.address("orchestrator")) as c:
+        info = c.info()
+    return {f"{s}_{what}": int(info[s].get(what, 0)) for s in ("target", "draft")
+            for what in ("active_sessions", "kv_tokens_in_use")}
+
+
+def with_metrics(cfg):
+    for s in (cfg.target, cfg.draft, cfg.orchestrator):
+        s.metrics_port = free_port()
+    return cfg
+
+
+# -- ordinary load ---------------------------------------------------------------------------------
+
+def test_ordinary_load_leaves_no_session_behind_and_keeps_the_draft(default_stack, smol_tokenizer):
+    """300 short requests from 8 clients (no faults): afterwards neither service holds a session,
+    and the last requests still draft (before the fix the draft leaked one session per close
+    that waited behind other sessions' work, until every request ran target-only)."""
+    from specdec.data import load_workload
+
+    prompts = [p.messages for p in load_workload("chat", 16, seed=3)]
+    addr = default_stack.address("orchestrator")
+    results: list[dict] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    counter = iter(range(300))
+
+    def client_loop():
+        with Client(addr) as c:
+            while True:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                try:
+                    res = c.complete(messages=prompts[i % len(prompts)], max_tokens=6, ignore_eos=True)
+                    with lock:
+                        results.append({"i": i, **res.stats})
+                except grpc.RpcError as e:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors[:3]
+    assert len(results) == 300
+    g = wait_all_zero(default_stack, 2.0)
+    assert not any(g.values()), g
+    assert not any(held(default_stack).values()), held(default_stack)
+    last = sorted(results, key=lambda r: r["i"])[-16:]
+    assert all(r["draft_fallback_rounds"] == 0 and r["draft_tokens"] > 0 for r in last), last
+
+
+# -- a deadline during the prefill ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deadline_during_prefill_frees_both_services_within_1s(default_stack, mode):
+    long_prompt = [(i * 37) % 30000 + 100 for i in range(1500)]  # ~1-2 s of target prefill
+    with Client(default_stack.address("orchestrator"), timeout=0.3) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(token_ids=long_prompt, max_tokens=8, mode=mode)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    g = wait_all_zero(default_stack, 1.0)
+    assert not any(g.values()), g
+    assert not any(held(default_stack).values()), held(default_stack)
+
+
+# -- the target fails mid-request ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fragile_stack(tiny_models, tmp_path_factory):
+    """Tiny models; the target is killed and restarted by the tests."""
+    cfg = with_metrics(local_config())
+    cfg.target.model = str(tiny_models["target"])
+    cfg.draft.engine = "torch"
+    cfg.draft.model = str(tiny_models["draft"])
+    cfg.target.cpu_cores = cfg.draft.cpu_cores = ""
+    cfg.target.kv_budget_tokens = 400
+    cfg.orchestrator.rpc_timeout_s = 60  # a failure must be noticed long before this
+    stack = Stack(cfg, tmp_path_factory.mktemp("fragile")).start()
+    try:
+        stack.wait_ready(300)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def orchestrator_health(stack: Stack) -> int:
+    with grpc.insecure_channel(stack.address("orchestrator")) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def wait_health(stack: Stack, status: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if orchestrator_health(stack) == status:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_target_killed_mid_request_gives_unavailable_within_5s(fragile_stack, mode):
+    stack = fragile_stack
+    if stack.procs["target"].poll() is not None:
+        stack.start_service("target")
+        stack.wait_ready(120, ["target"])
+    with Client(stack.address("orchestrator"), timeout=75) as c:
+        stream = c.generate(token_ids=list(range(100, 120)), max_tokens=900, ignore_eos=True, mode=mode, k=4)
+        with pytest.raises(grpc.RpcError) as e:
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    stack.stop_service("target", signal.SIGKILL)
+                    killed = time.monotonic()
+        elapsed = time.monotonic() - killed
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert elapsed < 5.0
+    assert "target" in e.value.details()
+    # the orchestrator's health follows the target's: NOT_SERVING while it is down, SERVING once back
+    assert wait_health(stack, health_pb2.HealthCheckResponse.NOT_SERVING, 5.0)
+    stack.start_service("target")
+    stack.wait_ready(120, ["target"])
+    assert wait_health(stack, health_pb2.HealthCheckResponse.SERVING, 10.0)
+    g = wait_all_zero(stack, 2.0)
+    assert not any(g.values()), g
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_round_refused_for_kv_gives_resource_exhausted_within_5s(fragile_stack, mode):
+    stack = fragile_stack
+    if stack.procs["target"].poll() is not None:
+        stack.start_service("target")
+        stack.wait_ready(120, ["target"])
+    t0 = time.monotonic()
+    with Client(stack.address("orchestrator"), timeout=75) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            # the prompt fits the 400-token budget; a later round does not
+            c.complete(token_ids=list(range(100, 400)), max_tokens=300, ignore_eos=True, mode=mode, k=4)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert time.monotonic() - t0 < 5.0
+        assert len(c.complete("hi", max_tokens=4, ignore_eos=True, mode=mode).token_ids) == 4
+    g = wait_all_zero(stack, 2.0)
+    assert not any(g.values()), g
