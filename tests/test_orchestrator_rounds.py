@@ -1,0 +1,250 @@
+"""The orchestrator's round loop over fake sessions: no models, no network, milliseconds each.
+
+The fake target is a deterministic "model" (the next token is a hash of the sequence) that
+verifies greedily; the fake draft follows the same rule except where a test makes it wrong,
+fail or come back empty, and checks that what the orchestrator tells it (`keep`, `append`)
+matches what it really holds. Every scenario must give exactly the target-only output.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from orchestrator.engine import (DraftResult, GenerationRequest, Mode, Orchestrator, OrchestratorSettings,
+                                 TargetFacts, TargetOpenResult, VerifyResult)
+from specdec.errors import Unavailable
+
+V = 50
+EOS = 0
+
+
+def next_token(seq: list[int]) -> int:
+    """The fake target's greedy choice after `seq` (never EOS)."""
+    return 1 + (seq[-1] * 7 + seq[-2] * 3 + len(seq)) % (V - 1)
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+class FakeTarget:
+    def __init__(self, world: "World"):
+        self.world = world
+        self.seq: list[int] = []
+        self.pending = -1
+        self.closed = False
+
+    async def open(self, prompt_ids, sampling, seed) -> TargetOpenResult:
+        await asyncio.sleep(0)
+        self.seq = list(prompt_ids)
+        self.pending = next_token(self.seq)
+        return TargetOpenResult(self.pending, 1.0)
+
+    async def verify(self, draft_ids, dists) -> VerifyResult:
+        w = self.world
+        w.verifies += 1
+        if w.target_fails_on_verify == w.verifies:
+            raise Unavailable("target service unavailable during a round (fake)")
+        assert len(draft_ids) == len(dists)
+        await asyncio.sleep(w.verify_s)
+        self.seq.append(self.pending)
+        accepted = 0
+        for d in draft_ids:
+            if d != next_token(self.seq):
+                break
+            self.seq.append(d)
+            accepted += 1
+        self.pending = next_token(self.seq)
+        return VerifyResult(accepted, self.pending, 1.0, 1.0, 0)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeDraft:
+    """Proposes the target's tokens, except at positions in `world.wrong_at` (a wrong token)."""
+
+    def __init__(self, world: "World"):
+        self.world = world
+        self.holds: list[int] = []
+        self.closed = False
+
+    async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size) -> float:
+        self.holds = list(prompt_ids)
+        return 1.0
+
+    async def propose(self, keep, append, k, seed) -> DraftResult:
+        w = self.world
+        w.draft_calls += 1
+        assert 0 <= keep <= len(self.holds), (keep, len(self.holds))
+        speculative = not append and keep == len(self.holds)
+        if w.draft_fails_on_call == w.draft_calls:
+            raise ConnectionError("draft went away (fake)")
+        await asyncio.sleep(w.draft_s)
+        self.holds = self.holds[:keep] + list(append)
+        if speculative and w.empty_speculation:
+            return DraftResult([], [], 0.5)
+        out = []
+        for _ in range(k):
+            t = next_token(self.holds)
+            if len(self.holds) in w.wrong_at:
+                t = t % (V - 1) + 1 if t % (V - 1) + 1 != t else 2
+            self.holds.append(t)
+            out.append(t)
+        return DraftResult(out, [([t], [1.0]) for t in out], 0.5)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class World:
+    """The fake backends and everything a test can turn."""
+
+    target: TargetFacts = field(default_factory=lambda: TargetFacts("fp", V, 4096, [EOS]))
+    draft_fails_on_call: int = 0  # the Nth propose call raises
+    target_fails_on_verify: int = 0  # the Nth verify raises Unavailable
+    empty_speculation: bool = False
+    wrong_at: set[int] = field(default_factory=set)  # absolute positions the draft gets wrong
+    draft_up: bool = True
+    draft_comes_back_after_verifies: int = 0  # a down draft is offered again after this many verifies
+    verify_s: float = 0.0
+    draft_s: float = 0.0
+    verifies: int = 0
+    draft_calls: int = 0
+    failures: list = field(default_factory=list)
+    targets: list = field(default_factory=list)
+    drafts: list = field(default_factory=list)
+
+    def new_target_session(self, sid):
+        self.targets.append(FakeTarget(self))
+        return self.targets[-1]
+
+    def new_draft_session(self, sid):
+        if not self.draft_up:
+            if self.draft_comes_back_after_verifies and self.verifies >= self.draft_comes_back_after_verifies:
+                self.draft_up = True
+            else:
+                return None
+        self.drafts.append(FakeDraft(self))
+        return self.drafts[-1]
+
+    def draft_failed(self, error):
+        self.failures.append(error)
+        self.draft_up = False
+
+
+PROMPT = [5, 9, 14, 3]
+
+
+def run(world: World, mode: Mode, n: int = 40, k: int = 4, **req) -> tuple[list[int], list, object]:
+    orch = Orchestrator(world, decode=lambda ids: "".join(chr(97 + t % 26) for t in ids),
+                        settings=OrchestratorSettings(probe_interval_s=0.0))
+
+    async def go():
+        tokens, rounds, summary = [], [], None
+        async for ev in orch.generate(GenerationRequest(PROMPT, n, k=k, mode=mode, ignore_eos=True, **req)):
+            tokens.extend(ev.token_ids)
+            if ev.round is not None:
+                rounds.append(ev.round)
+            if ev.summary is not None:
+                summary = ev.summary
+        return tokens, rounds, summary
+
+    return asyncio.run(go())
+
+
+def closed_everything(world: World) -> bool:
+    return all(t.closed for t in world.targets) and all(d.closed for d in world.drafts)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_a_perfect_draft_matches_target_only(mode):
+    w = World()
+    tokens, rounds, summary = run(w, mode)
+    assert tokens == reference(PROMPT, 40)
+    assert summary.completion_tokens == 40
+    if mode == Mode.TARGET_ONLY:
+        assert all(r.k == 0 for r in rounds) and not w.drafts
+    else:
+        assert summary.acceptance_rate == 1.0
+    if mode == Mode.PIPELINED:
+        assert sum(r.pipeline_hit for r in rounds) >= len(rounds) - 2  # every round after the first hits
+    assert closed_everything(w)
+
+
+@pytest.mark.parametrize("mode", [Mode.SEQUENTIAL, Mode.PIPELINED])
+@pytest.mark.parametrize("nth", [1, 2, 3, 5])
+def test_the_draft_failing_on_its_nth_call_goes_target_only(mode, nth):
+    w = World(draft_fails_on_call=nth)
+    tokens, rounds, summary = run(w, mode)
+    assert tokens == reference(PROMPT, 40)
+    assert len(w.failures) == 1
+    assert summary.draft_fallback_rounds > 0
+    assert all(r.k == 0 for r in rounds[-5:])  # the draft stays down (it is never offered again)
+    assert closed_everything(w)
+
+
+def test_an_empty_speculation_is_a_miss_not_a_hit():
+    w = World(empty_speculation=True)
+    tokens, rounds, summary = run(w, Mode.PIPELINED)
+    assert tokens == reference(PROMPT, 40)
+    assert not any(r.pipeline_hit for r in rounds)
+    assert all(r.k > 0 for r in rounds[:-1])  # every round still drafts (a fresh call each time)
+    assert summary.wasted_draft_tokens == 0
+
+
+def test_a_wrong_bonus_guess_throws_the_speculation_away():
+    # round 1 verifies positions 5..8 (prompt 4 + first token); the draft is right there but
+    # wrong at 9, the bonus position, so its speculation starts with a wrong guess
+    w = World(wrong_at={9})
+    tokens, rounds, summary = run(w, Mode.PIPELINED, k=4)
+    assert tokens == reference(PROMPT, 40)
+    assert rounds[0].accepted == 4 and rounds[0].wasted_draft_tokens == 5
+    assert not rounds[1].pipeline_hit
+    assert any(r.pipeline_hit for r in rounds[2:])
+
+
+def test_a_rejection_mid_round_redrafts_from_the_right_place():
+    w = World(wrong_at={7, 20, 21})
+    for mode in (Mode.SEQUENTIAL, Mode.PIPELINED):
+        tokens, rounds, summary = run(w, mode)
+        assert tokens == reference(PROMPT, 40)
+        assert 0 < summary.acceptance_rate < 1
+
+
+@pytest.mark.parametrize("mode", [Mode.SEQUENTIAL, Mode.PIPELINED])
+def test_the_draft_is_reattached_within_the_same_request(mode):
+    w = World(draft_fails_on_call=2, draft_comes_back_after_verifies=6)
+    tokens, rounds, summary = run(w, mode, n=60)
+    assert tokens == reference(PROMPT, 60)
+    assert len(w.drafts) == 2  # the first session, then a new one after the draft came back
+    assert summary.draft_fallback_rounds > 0
+    assert any(r.k > 0 for r in rounds[-3:])  # drafting again at the end
+    assert closed_everything(w)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_the_target_failing_mid_request_ends_it_with_the_target_error(mode):
+    w = World(target_fails_on_verify=3, draft_s=0.01)  # pipelined: a speculative call is in flight
+
+    with pytest.raises(Unavailable, match="target"):
+        run(w, mode)
+    assert closed_everything(w)
+
+
+def test_eos_and_stop_are_found_in_what_is_new():
+    w = World()
+    ref = reference(PROMPT, 40)
+    text = "".join(chr(97 + t % 26) for t in ref)
+    stop = text[20:23]
+    cut = text.find(stop)
+    tokens, rounds, summary = run(w, Mode.PIPELINED, stop=[stop])
+    assert "".join(chr(97 + t % 26) for t in tokens)[:cut] == text[:cut]
+    assert len(tokens) == cut + len(stop)  # one character per token: the stop's last token ends it
+    assert closed_everything(w)
