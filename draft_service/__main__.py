@@ -1,5 +1,6 @@
-"""python -m draft_service [--config FILE] [--port N] [--engine E] [--model M] ..."""
-from specdec.cli import service_main
+"""python -m draft_service [--config FILE] [--port N] ... (every config field of [draft] is a flag)"""
+from specdec.service import run_service
+from draft_service.server import serve
 
 if __name__ == "__main__":
-    service_main("draft")
+    run_service("draft", serve)

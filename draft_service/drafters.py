@@ -218,7 +218,6 @@ class NgramDrafter:
     max_context: int = 1 << 30
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
-    _unused: dict = field(default_factory=dict)
 
     def new_sequence(self, prompt_ids):
         return DraftSequence(None, list(prompt_ids))

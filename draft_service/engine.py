@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from draft_service.drafters import Drafter, DraftSequence, SparseDist
+from specdec.config import DraftConfig
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.sampling import SamplingParams, make_generator
 
@@ -34,10 +35,11 @@ class DraftEngine:
     """Draft sessions over one drafter. `close` is synchronous and safe at any moment: a session
     closed while a job of its own runs is released by whichever of the two finishes last."""
 
-    def __init__(self, drafter: Drafter, max_sessions: int = 16, default_max_support: int = 64):
+    def __init__(self, drafter: Drafter, config: DraftConfig | None = None):
+        config = config or DraftConfig()
         self.drafter = drafter
-        self.max_sessions = max_sessions
-        self.default_max_support = default_max_support
+        self.max_sessions = config.max_sessions
+        self.default_max_support = config.max_support
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
 

@@ -13,7 +13,7 @@ from specdec import metrics
 from specdec.config import DraftConfig
 from specdec.devices import configure_process, process_memory_bytes, resolve_device
 from specdec.errors import InvalidArgument
-from specdec.rpc import Server, StreamSession, sampling_from_proto, serve_session
+from specdec.rpc import Server, Servicer, StreamSession, boundary, sampling_from_proto, serve_session
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specdec.draft")
@@ -30,7 +30,9 @@ def make_drafter(cfg: DraftConfig, device: str) -> Drafter:
     raise InvalidArgument(f"unknown draft engine {cfg.engine!r}: use llamacpp, torch or ngram")
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer, Servicer):
+    loading = "the draft model is loading"
+
     def __init__(self, cfg: DraftConfig, device: str, engine: DraftEngine | None = None):
         self.cfg, self.device = cfg, device
         self.engine = engine  # None while the model loads: RPCs answer UNAVAILABLE
@@ -39,9 +41,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @boundary
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is loading")
         d = self.engine.drafter
         return common_pb2.ModelInfo(
             model=d.model, engine=d.engine, tokenizer_fingerprint=d.fingerprint, vocab_size=d.vocab_size,
@@ -50,9 +55,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             max_sessions=self.engine.max_sessions, active_sessions=self.engine.active_sessions,
             kv_tokens_in_use=self.engine.kv_tokens_in_use)
 
+    @boundary
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft model is loading")
         async for reply in serve_session(request_iterator, context, {"open": self._open, "propose": self._propose},
                                          self._close):
             yield reply
@@ -85,7 +89,7 @@ async def serve(cfg: DraftConfig) -> None:
     await server.set_serving(False)
     log.info("draft service on %s, loading %s engine %s", server.address, cfg.engine, cfg.model)
     drafter = await asyncio.to_thread(make_drafter, cfg, device)
-    servicer.engine = engine = DraftEngine(drafter, cfg.max_sessions, cfg.max_support)
+    servicer.engine = engine = DraftEngine(drafter, cfg)
     metrics.DRAFT_SESSIONS.set_function(lambda: engine.active_sessions)
     metrics.start(cfg.host, cfg.metrics_port, "draft", lambda: process_memory_bytes(device), drafter.weight_bytes,
                   drafter.kv_bytes_per_token)

@@ -1,5 +1,6 @@
-"""python -m orchestrator [--config FILE] [--port N] [--target-address A] [--draft-address A] ..."""
-from specdec.cli import service_main
+"""python -m orchestrator [--config FILE] [--port N] ... (every config field of [orchestrator] is a flag)"""
+from specdec.service import run_service
+from orchestrator.server import serve
 
 if __name__ == "__main__":
-    service_main("orchestrator")
+    run_service("orchestrator", serve)

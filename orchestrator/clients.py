@@ -16,7 +16,8 @@ import grpc
 from orchestrator.engine import DraftResult, TargetFacts, TargetOpenResult, VerifyResult
 from specdec import metrics
 from specdec.aio import cancelled_by_caller, quietly
-from specdec.errors import InvalidArgument, ResourceExhausted, SpecdecError, Unavailable
+from specdec.errors import (DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, ResourceExhausted,
+                            RoundRejected, SpecdecError, Unavailable)
 from specdec.rpc import CHANNEL_OPTIONS, sampling_to_proto
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -24,33 +25,75 @@ log = logging.getLogger("specdec.orchestrator")
 
 
 class _Stream:
-    def __init__(self, open_stream, timeout_s: float, peer: str):
+    """One session stream to a peer service: each `ask` writes one request and reads one reply.
+
+    The stream carries the request's deadline to the service (as its gRPC deadline), and every
+    call waits at most `timeout_s` (rpc_timeout_s), or until the deadline if that is sooner.
+    Every failure leaves as a `SpecdecError` that names the peer (see `_peer_error`).
+    """
+
+    def __init__(self, open_stream, timeout_s: float, peer: str, deadline: float | None):
         self._open_stream = open_stream
         self.timeout_s = timeout_s
         self.peer = peer
+        self.deadline = deadline
         self.call = None
 
-    async def ask(self, request):
-        if self.call is None:
-            self.call = self._open_stream()
-        await asyncio.wait_for(self.call.write(request), self.timeout_s)
-        reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+    def _wait_s(self) -> float:
+        if self.deadline is None:
+            return self.timeout_s
+        return max(0.0, min(self.timeout_s, self.deadline - time.monotonic()))
+
+    async def ask(self, request, during: str):
+        try:
+            if self.call is None:
+                left = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
+                self.call = self._open_stream(timeout=left)
+            await asyncio.wait_for(self.call.write(request), self._wait_s())
+            reply = await asyncio.wait_for(self.call.read(), self._wait_s())
+        except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - translated at this edge
+            raise self._error(e, during) from e
         if reply is grpc.aio.EOF:
-            code = await self.call.code()
-            raise Unavailable(f"{self.peer} closed the session stream ({code})")
+            raise Unavailable(f"{self.peer} service closed the session stream {during} ({await self.call.code()})")
         return reply
+
+    def _error(self, e: BaseException, during: str) -> SpecdecError:
+        """A peer's failure as ours: say which peer, and whose fault it is."""
+        peer = f"{self.peer} service"
+        deadline_passed = self.deadline is not None and time.monotonic() >= self.deadline
+        if isinstance(e, SpecdecError):
+            return e
+        if isinstance(e, asyncio.TimeoutError) or (
+                isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
+            if deadline_passed:
+                return DeadlineExceeded(f"the request's deadline passed while waiting for the {peer} {during}")
+            return Unavailable(f"the {peer} did not answer {during} within {self.timeout_s:g} s (rpc_timeout_s)")
+        if not isinstance(e, grpc.aio.AioRpcError):
+            return Unavailable(f"the {peer} failed {during}: {type(e).__name__}: {e}")
+        code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ResourceExhausted(f"the {peer} is full: {details}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            if during == AT_OPEN:
+                return InvalidArgument(details)  # about the user's prompt or parameters
+            return Internal(f"the {peer} refused what we sent {during}: {details}")  # our fault, not the user's
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return FailedPrecondition(f"the {peer} refused {during}: {details}")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+            return Unavailable(f"the {peer} is unavailable {during} ({code.name}: {details})")
+        return Internal(f"the {peer} failed {during} ({code.name}: {details})")
 
     async def close(self, grace_s: float = 0.5) -> None:
         """End the stream and wait (at most `grace_s`) for the service to end it too, i.e. to have
         closed the session, so that its slot is free before the next request opens one. A call
-        that already ended (failed, or cancelled locally) has nothing to drain; a peer that is
-        down or slow is not waited for: the call is cancelled (the service closes the session
-        on cancellation too)."""
+        that already ended (failed, or cancelled locally) has nothing to drain; a cancelled
+        request waits for nothing; a peer that is down or slow is not waited for: the call is
+        cancelled (the service closes the session on cancellation too)."""
         call, self.call = self.call, None
         if call is None:
             return
         try:
-            if not call.done() and not cancelled_by_caller():  # a cancelled request waits for nothing
+            if not call.done() and not cancelled_by_caller():
                 await quietly(asyncio.wait_for(_drain(call), grace_s), f"{self.peer} stream close")
         finally:
             call.cancel()
@@ -62,42 +105,28 @@ async def _drain(call) -> None:
         pass
 
 
-def _target_error(e: BaseException, during: str) -> Exception:
-    """A target-side failure as the error the request ends with, saying that it was the target."""
-    if isinstance(e, asyncio.TimeoutError):
-        return Unavailable(f"target service did not answer {during} in time")
-    if isinstance(e, SpecdecError):  # raised by _Stream, already naming the target
-        return e
-    if not isinstance(e, grpc.aio.AioRpcError):
-        return Unavailable(f"target service failed {during}: {type(e).__name__}: {e}")
-    code, details = e.code(), e.details() or ""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(f"target service is full: {details}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(details)
-    return Unavailable(f"target service unavailable {during} ({code.name}: {details})")
+AT_OPEN = "at session open"
+IN_ROUND = "during a round"
 
 
 class GrpcTargetSession:
-    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, sid: str, timeout_s: float,
+    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, sid: str, timeout_s: float, deadline: float | None,
                  on_unavailable: Callable[[BaseException], None] = lambda e: None):
         self.sid = sid
-        self.stream = _Stream(stub.Session, timeout_s, "target")
+        self.stream = _Stream(stub.Session, timeout_s, "target", deadline)
         self.on_unavailable = on_unavailable
 
     async def _ask(self, request, during: str):
         try:
-            return await self.stream.ask(request)
-        except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - translated at this edge
-            err = _target_error(e, during)
-            if isinstance(err, Unavailable):
-                self.on_unavailable(err)
-            raise err from e
+            return await self.stream.ask(request, during)
+        except Unavailable as e:
+            self.on_unavailable(e)
+            raise
 
     async def open(self, prompt_ids, sampling, seed) -> TargetOpenResult:
         r = await self._ask(target_pb2.TargetRequest(open=target_pb2.TargetOpen(
             session_id=self.sid, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling), seed=seed)),
-            "at session open")
+            AT_OPEN)
         return TargetOpenResult(r.opened.first_token, r.opened.prefill_ms)
 
     async def verify(self, draft_ids, dists) -> VerifyResult:
@@ -105,8 +134,10 @@ class GrpcTargetSession:
             draft_token_ids=draft_ids,
             draft_dists=[common_pb2.SparseDistribution(token_ids=i, probs=q) for i, q in dists]))
         t0 = time.perf_counter()
-        r = await self._ask(req, "during a round")
+        r = await self._ask(req, IN_ROUND)
         rtt = (time.perf_counter() - t0) * 1e3
+        if r.HasField("refused"):
+            raise RoundRejected(f"the target service refused a round: {r.refused.message}")
         v = r.verified
         metrics.RPC_LATENCY.labels("target").observe(max(0.0, rtt - v.verify_ms) / 1e3)
         return VerifyResult(v.num_accepted, v.next_token, v.verify_ms, rtt, req.ByteSize())
@@ -116,22 +147,23 @@ class GrpcTargetSession:
 
 
 class GrpcDraftSession:
-    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, sid: str, timeout_s: float, max_support: int = 0):
+    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, sid: str, timeout_s: float, deadline: float | None,
+                 max_support: int = 0):
         self.sid = sid
         self.max_support = max_support
-        self.stream = _Stream(stub.Session, timeout_s, "draft")
+        self.stream = _Stream(stub.Session, timeout_s, "draft", deadline)
 
     async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size) -> float:
         r = await self.stream.ask(draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
             session_id=self.sid, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling),
             target_tokenizer_fingerprint=target_fingerprint, target_vocab_size=target_vocab_size,
-            max_support=self.max_support)))
+            max_support=self.max_support)), AT_OPEN)
         return r.opened.prefill_ms
 
     async def propose(self, keep, append, k, seed) -> DraftResult:
         t0 = time.perf_counter()
         r = await self.stream.ask(draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(
-            keep=keep, append_token_ids=append, k=k, seed=seed)))
+            keep=keep, append_token_ids=append, k=k, seed=seed)), IN_ROUND)
         rtt = (time.perf_counter() - t0) * 1e3
         p = r.proposal
         metrics.RPC_LATENCY.labels("draft").observe(max(0.0, rtt - p.draft_ms) / 1e3)
@@ -139,6 +171,20 @@ class GrpcDraftSession:
 
     async def close(self):
         await self.stream.close()
+
+
+def draft_mismatch(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo | None) -> str:
+    """Why this draft cannot draft for this target ("" when it can)."""
+    if target is None:
+        return ""
+    fd, ft = draft.tokenizer_fingerprint, target.tokenizer_fingerprint
+    if fd and ft and fd != ft:
+        return (f"the draft model {draft.model!r} uses a different tokenizer than the target {target.model!r} "
+                f"(fingerprints {fd[:12]} vs {ft[:12]}); speculative decoding needs the same one: serving target-only")
+    if draft.vocab_size and target.vocab_size and draft.vocab_size > target.vocab_size:
+        return (f"the draft vocabulary ({draft.vocab_size}) is larger than the target's ({target.vocab_size}): "
+                f"serving target-only")
+    return ""
 
 
 class GrpcBackends:
@@ -167,6 +213,7 @@ class GrpcBackends:
         self.draft_info: common_pb2.ModelInfo | None = None
         self.target_up = False
         self.draft_up = False
+        self.draft_problem = ""  # why the draft is not offered, when it is not
         self._monitor: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -190,11 +237,17 @@ class GrpcBackends:
         return True
 
     async def _probe_draft(self) -> bool:
+        """Up = it answers and can draft for this target (same tokenizer, vocabulary not larger)."""
         try:
             self.draft_info = await self.draft_stub.Info(common_pb2.InfoRequest(), timeout=2.0)
-            return True
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
+            self.draft_problem = f"the draft service at {self.draft_address} does not answer ({e.code().name})"
             return False
+        problem = draft_mismatch(self.draft_info, self.target_info)
+        if problem and problem != self.draft_problem:
+            log.error("%s", problem)
+        self.draft_problem = problem
+        return not problem
 
     async def refresh(self) -> None:
         """Probe both services now (their Info, with its live occupancy)."""
@@ -240,18 +293,19 @@ class GrpcBackends:
             asyncio.ensure_future(self._set_target_up(False))
         self._wake.set()
 
-    def new_target_session(self, sid: str) -> GrpcTargetSession:
-        return GrpcTargetSession(self.target_stub, sid, self.timeout_s, self.target_failed)
+    def new_target_session(self, sid: str, deadline: float | None) -> GrpcTargetSession:
+        return GrpcTargetSession(self.target_stub, sid, self.timeout_s, deadline, self.target_failed)
 
-    def new_draft_session(self, sid: str) -> GrpcDraftSession | None:
+    def new_draft_session(self, sid: str, deadline: float | None) -> GrpcDraftSession | None:
         if self.draft_stub is None or not self.draft_up:
             return None
-        return GrpcDraftSession(self.draft_stub, sid, self.timeout_s)
+        return GrpcDraftSession(self.draft_stub, sid, self.timeout_s, deadline)
 
     def draft_failed(self, error: BaseException) -> None:
-        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return  # the draft is up but full: this request goes target-only, others keep drafting
+        """A draft call failed: the request goes on target-only. A full draft stays offered to
+        other requests; otherwise the draft is down until the monitor sees it answer again."""
+        if isinstance(error, ResourceExhausted):
+            return
         if self.draft_up:
             log.warning("draft service marked unavailable: %s", error)
         self.draft_up = False

@@ -1,26 +1,29 @@
-"""The orchestrator engine: drives speculative rounds over a target and a draft session.
+"""The orchestrator engine: speculative rounds over a target session and a draft session.
 
-Pure asyncio over two small session interfaces, so it runs the same over gRPC
-(`orchestrator.clients`) and in-process (`orchestrator.local`, used by tests).
+Pure asyncio over two small session interfaces (no transport here), so it runs the same
+over gRPC (`orchestrator.clients`) and over in-process or fake sessions (tests).
 
-Modes:
-- target-only: each round is a verify with no drafts (one target forward per token);
-- sequential: draft k tokens, then verify them;
-- pipelined: while the target verifies round n, the draft already drafts round n+1,
-  assuming round n is fully accepted: it drafts k+1 tokens after the last draft, the
-  first of which is its guess of the target's bonus token. When round n accepts all
-  drafts and the bonus equals that guess, the other k tokens are the next round's
-  drafts (a hit); otherwise that work is thrown away and the draft redrafts (a miss).
-  Reusing drafts on a hit stays exact: they were sampled from the q~ sent with them,
-  conditioned on a prefix that the target then produced.
+A request is a `Run` (its state between rounds); a round is a few named steps:
+1. attach the draft if it is due (it can join, or re-join, mid-request);
+2. get the round's drafts: the pipeline's prepared ones, or a fresh proposal;
+3. pipelined: start the speculative proposal for the next round;
+4. verify the drafts on the target;
+5. reconcile the speculation with what the target decided (a hit or a miss);
+6. commit the new tokens and emit them.
 
-When the draft fails mid-request the rounds go on target-only; the draft is picked
-up again, within the same request, as soon as the backend reports it healthy.
+Pipelining: while the target verifies round n, the draft already drafts k+1 tokens after
+round n's last draft, the first of which is its guess of the target's bonus token. When
+round n accepts all drafts and the bonus equals that guess, the other k tokens are round
+n+1's drafts (a hit); otherwise they are thrown away (a miss). Reusing drafts on a hit
+stays exact: they were sampled from the q~ sent with them, on a prefix the target then
+produced.
+
+The draft is optional at every moment: any draft error drops it for the request, which
+goes on target-only; it is offered again every `probe_interval_s`.
 """
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import random
 import time
@@ -28,8 +31,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
-from specdec.aio import cancel_and_wait, quietly
-from specdec.errors import FailedPrecondition, InvalidArgument, SpecdecError
+from specdec.aio import cancel_and_wait, cancelled_by_caller, quietly
+from specdec.config import OrchestratorConfig
+from specdec.errors import InvalidArgument, RoundRejected
+from specdec.modes import Mode
 from specdec.sampling import SamplingParams, derive_seed
 from specdec.stats import RoundRecord, Summary, summarize
 
@@ -37,29 +42,24 @@ log = logging.getLogger(__name__)
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 128
-
-
-class Mode(enum.IntEnum):  # values match specdec.v1.Mode
-    PIPELINED = 1
-    SEQUENTIAL = 2
-    TARGET_ONLY = 3
-
-
-MODE_NAMES = {"pipelined": Mode.PIPELINED, "sequential": Mode.SEQUENTIAL, "target-only": Mode.TARGET_ONLY}
+SparseDist = tuple[list[int], list[float]]
 
 
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
-    max_new_tokens: int
+    max_tokens: int  # new tokens at most
     sampling: SamplingParams = SamplingParams()
-    draft_sampling: SamplingParams | None = None  # None = default for the target's sampling
-    seed: int | None = None
+    draft_sampling: SamplingParams | None = None  # None = the server's default for the target's sampling
+    seed: int | None = None  # None = random (reported)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    k: int = 0  # 0 = default
-    mode: Mode | None = None  # None = default
+    k: int = 0  # 0 = the server's default
+    mode: Mode | None = None  # None = the server's default
+    deadline: float | None = None  # time.monotonic() when the client's time is up
 
+
+# -- the session interfaces -------------------------------------------------------------------------
 
 @dataclass
 class TargetOpenResult:
@@ -79,7 +79,7 @@ class VerifyResult:
 @dataclass
 class DraftResult:
     token_ids: list[int]
-    dists: list[tuple[list[int], list[float]]]
+    dists: list[SparseDist]
     draft_ms: float
     started: float = 0.0  # perf_counter at send
     finished: float = 0.0  # perf_counter at reply
@@ -88,7 +88,8 @@ class DraftResult:
 class TargetSession(Protocol):
     async def open(self, prompt_ids: list[int], sampling: SamplingParams, seed: int) -> TargetOpenResult: ...
 
-    async def verify(self, draft_ids: list[int], dists: list[tuple[list[int], list[float]]]) -> VerifyResult: ...
+    async def verify(self, draft_ids: list[int], dists: list[SparseDist]) -> VerifyResult:
+        """Raises RoundRejected when the target refuses what was sent (the round can be retried)."""
 
     async def close(self) -> None: ...
 
@@ -113,27 +114,15 @@ class TargetFacts:
 class Backends(Protocol):
     target: TargetFacts
 
-    def new_target_session(self, session_id: str) -> TargetSession: ...
+    def new_target_session(self, session_id: str, deadline: float | None) -> TargetSession: ...
 
-    def new_draft_session(self, session_id: str) -> DraftSession | None:
+    def new_draft_session(self, session_id: str, deadline: float | None) -> DraftSession | None:
         """None while the draft is known to be unavailable."""
 
     def draft_failed(self, error: BaseException) -> None: ...
 
 
-@dataclass
-class OrchestratorSettings:
-    default_k: int = 8
-    max_k: int = 32
-    default_mode: Mode = Mode.PIPELINED
-    # draft sampling when the request sets none: greedy for a greedy target; otherwise the
-    # target's own sampling when default_draft_temperature < 0 (measured best for the default
-    # pair, whose draft is a quantized copy of the target), else these values
-    default_draft_temperature: float = -1.0
-    default_draft_top_k: int = 0
-    default_draft_top_p: float = 1.0
-    probe_interval_s: float = 1.0  # within a request, how often to try a down draft again
-
+# -- what a request emits ---------------------------------------------------------------------------
 
 @dataclass
 class Event:
@@ -147,7 +136,341 @@ class Event:
     mode: Mode = Mode.PIPELINED
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
+class TextStream:
+    """The output's text, decoded incrementally: each token decodes only a short window
+    (the tokens since the last complete characters), stop sequences are looked for in what
+    is new, and text that could still become a stop sequence is held back until it cannot."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode = decode
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""  # complete characters so far
+        self.sent = 0  # characters emitted
+        self._prefix = 0  # tokens[_prefix:_read] decoded to the text's last piece
+        self._read = 0
+
+    def push(self, token: int) -> int | None:
+        """Add one token; -> where a stop sequence starts in `text`, or None."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self._prefix:self._read])
+        now = self.decode(self.tokens[self._prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return None  # no complete new character yet
+        start = len(self.text)
+        self.text += now[len(before):]
+        self._prefix, self._read = self._read, len(self.tokens)
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, start - len(s) + 1))) >= 0]
+        return min(hits) if hits else None
+
+    def take(self, final: bool, end: int | None = None) -> str:
+        """The text not emitted yet, up to `end` (a stop's start); all of it when final."""
+        if final and end is None:  # flush what is pending (incomplete characters included)
+            tail = self.decode(self.tokens[self._prefix:])[len(self.decode(self.tokens[self._prefix:self._read])):]
+            self.text += tail
+            self._prefix = self._read = len(self.tokens)
+        stop = len(self.text) if end is None else end
+        if not final:
+            stop = min(stop, len(self.text) - self.hold)
+        delta = self.text[self.sent:stop] if stop > self.sent else ""
+        self.sent = max(self.sent, stop)
+        return delta
+
+
+# -- a request's state ----------------------------------------------------------------------------
+
+@dataclass
+class Drafts:
+    """One round's draft tokens and the q~ each was sampled from."""
+
+    tokens: list[int] = field(default_factory=list)
+    dists: list[SparseDist] = field(default_factory=list)
+    draft_ms: float = 0.0
+    from_speculation: bool = False
+
+
+@dataclass
+class Speculation:
+    """The pipeline's proposal for the next round, running while the target verifies."""
+
+    task: asyncio.Task  # -> DraftResult
+
+
+@dataclass
+class Run:
+    req: GenerationRequest
+    sid: str
+    seed: int
+    target: TargetSession
+    text: TextStream
+    eos: set[int]
+    started: float  # perf_counter
+    committed: list[int] = field(default_factory=list)  # the target's sequence: prompt + output
+    out: list[int] = field(default_factory=list)  # output tokens
+    draft: DraftSession | None = None
+    draft_holds: list[int] = field(default_factory=list)  # what the draft's cache holds
+    ready: Drafts | None = None  # next round's drafts, from a speculation hit
+    draft_calls: int = 0
+    attaches: int = 0
+    next_attach: float = 0.0  # perf_counter
+    rounds: list[RoundRecord] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def wants_draft(self) -> bool:
+        return self.req.mode != Mode.TARGET_ONLY
+
+    @property
+    def remaining(self) -> int:
+        return self.req.max_tokens - len(self.out)
+
+    def next_seed(self) -> int:
+        self.draft_calls += 1
+        return derive_seed(self.seed, 1, self.draft_calls)
+
+    def event(self, tokens: list[int], text: str, rec: RoundRecord | None = None) -> Event:
+        return Event(tokens, text, round=rec, finish_reason=self.finish_reason, seed=self.seed,
+                     k=self.req.k, mode=self.req.mode)
+
+    async def close(self) -> None:
+        await quietly(self.target.close(), "target session close")
+        if self.draft is not None:
+            await quietly(self.draft.close(), "draft session close")
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+class Orchestrator:
+    def __init__(self, backends: Backends, decode: Callable[[list[int]], str],
+                 config: OrchestratorConfig | None = None):
+        self.backends = backends
+        self.decode = decode
+        self.config = config or OrchestratorConfig()
+        self.default_mode = Mode.parse(self.config.default_mode)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
+        run = self._start(self.validate(req))
+        try:
+            yield await self._open(run)
+            while not run.finish_reason:
+                yield await self._round(run)
+            yield self._summary(run)
+        finally:
+            await run.close()
+
+    async def _round(self, run: Run) -> Event:
+        t0 = time.perf_counter()
+        await self._attach_draft_if_due(run)
+        drafts = await self._get_drafts(run, self._round_k(run))
+        spec = self._start_speculation(run, drafts)
+        t_verify = time.perf_counter()
+        v = await self._verify(run, drafts, spec)
+        rec = await self._reconcile(run, drafts, v, spec, t_verify)
+        return self._commit(run, drafts.tokens[:v.num_accepted] + [v.next_token], rec, t0)
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self, req: GenerationRequest) -> GenerationRequest:
+        t, c = self.backends.target, self.config
+        if not req.prompt_ids:
+            raise InvalidArgument("prompt is empty")
+        if req.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
+        if len(req.prompt_ids) + req.max_tokens > t.max_context:
+            raise InvalidArgument(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                f"target context limit of {t.max_context}")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= t.vocab_size:
+            raise InvalidArgument(f"prompt token ids must be in [0, {t.vocab_size})")
+        req.k = req.k or c.default_k
+        if not 1 <= req.k <= c.max_k:
+            raise InvalidArgument(f"k must be in [1, {c.max_k}], got {req.k}")
+        req.mode = self.default_mode if req.mode is None else req.mode
+        if req.mode not in tuple(Mode):
+            raise InvalidArgument(f"unknown mode {req.mode!r}: use pipelined, sequential or target-only")
+        req.mode = Mode(req.mode)
+        req.sampling.validate()
+        if req.draft_sampling is None:
+            req.draft_sampling = self._default_draft_sampling(req.sampling)
+        req.draft_sampling.validate("draft_")
+        if len(req.stop) > MAX_STOP_SEQUENCES:
+            raise InvalidArgument(f"stop: at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}")
+        if any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
+            raise InvalidArgument(f"stop: each stop sequence must have 1 to {MAX_STOP_LENGTH} characters")
+        if req.seed is None:
+            req.seed = random.getrandbits(63)
+        return req
+
+    def _default_draft_sampling(self, target: SamplingParams) -> SamplingParams:
+        """Greedy targets draft greedily; sampled ones at the target's own sampling when
+        default_draft_temperature < 0 (measured best for a draft that is a copy of the target)."""
+        c = self.config
+        if target.greedy:
+            return SamplingParams()
+        if c.default_draft_temperature < 0:
+            return target
+        return SamplingParams(c.default_draft_temperature, c.default_draft_top_k, c.default_draft_top_p)
+
+    # -- the steps -----------------------------------------------------------------------------
+    def _start(self, req: GenerationRequest) -> Run:
+        sid = uuid.uuid4().hex
+        return Run(req, sid, int(req.seed), self.backends.new_target_session(sid, req.deadline),
+                   TextStream(self.decode, req.stop), set() if req.ignore_eos else set(self.backends.target.eos_token_ids),
+                   time.perf_counter(), committed=list(req.prompt_ids))
+
+    async def _open(self, run: Run) -> Event:
+        """Prefill the target (and the draft alongside); emit the first token."""
+        req = run.req
+        opening = asyncio.ensure_future(run.target.open(req.prompt_ids, req.sampling, derive_seed(run.seed, 0)))
+        try:
+            if run.wants_draft:
+                await self._attach_draft(run)  # alongside the target's prefill
+            opened = await opening
+        except BaseException:
+            await cancel_and_wait(opening)  # a cancelled request does not wait for the prefill
+            raise
+        run.ttft_ms = (time.perf_counter() - run.started) * 1e3
+        return self._commit(run, [opened.first_token], None, None)
+
+    async def _attach_draft_if_due(self, run: Run) -> None:
+        if run.wants_draft and run.draft is None and time.perf_counter() >= run.next_attach:
+            await self._attach_draft(run)
+
+    async def _attach_draft(self, run: Run) -> None:
+        """Open a draft session on what is committed; on any failure go on without one."""
+        run.next_attach = time.perf_counter() + self.config.probe_interval_s
+        ds = self.backends.new_draft_session(f"{run.sid}-d{run.attaches}", run.req.deadline)
+        run.attaches += 1
+        if ds is None:
+            return
+        t = self.backends.target
+        try:
+            await ds.open(list(run.committed), run.req.draft_sampling, t.fingerprint, t.vocab_size)
+        except Exception as e:  # noqa: BLE001 - a draft error never fails the request
+            log.warning("draft session could not be opened (%s); serving target-only", e)
+            self.backends.draft_failed(e)
+            await quietly(ds.close(), "draft session close")
+            return
+        run.draft, run.draft_holds, run.ready = ds, list(run.committed), None
+
+    async def _drop_draft(self, run: Run, error: BaseException) -> None:
+        log.warning("draft failed mid-request (%s); continuing target-only", error)
+        self.backends.draft_failed(error)
+        draft, run.draft, run.ready = run.draft, None, None
+        if draft is not None:
+            await quietly(draft.close(), "draft session close")
+
+    async def _draft_call(self, run: Run, call) -> DraftResult | None:
+        """Await a draft call; any failure of it (a CancelledError from its stream included, but
+        not a cancellation of this request) drops the draft -> None."""
+        try:
+            return await call
+        except asyncio.CancelledError as e:
+            if cancelled_by_caller():
+                raise
+            await self._drop_draft(run, e)
+        except Exception as e:  # noqa: BLE001 - the request goes on target-only
+            await self._drop_draft(run, e)
+        return None
+
+    def _round_k(self, run: Run) -> int:
+        room = self.backends.target.max_context - len(run.committed) - 1
+        return max(0, min(run.req.k, run.remaining - 1, room))
+
+    async def _get_drafts(self, run: Run, k: int) -> Drafts:
+        ready, run.ready = run.ready, None
+        if run.draft is None or k == 0:
+            return Drafts()
+        if ready is not None:
+            return Drafts(ready.tokens[:k], ready.dists[:k], ready.draft_ms, from_speculation=True)
+        keep = _common_prefix_len(run.draft_holds, run.committed)
+        res = await self._draft_call(run, run.draft.propose(keep, run.committed[keep:], k, run.next_seed()))
+        if res is None:
+            return Drafts()
+        run.draft_holds = run.committed + res.token_ids
+        return Drafts(res.token_ids, res.dists, res.draft_ms)
+
+    def _start_speculation(self, run: Run, drafts: Drafts) -> Speculation | None:
+        """Pipelined: draft k+1 tokens after this round's drafts while the target verifies them."""
+        room = self.backends.target.max_context - len(run.committed) - 1
+        n = len(drafts.tokens)
+        spec_k = min(run.req.k + 1, run.remaining - n - 1, room - n - 1)
+        if run.req.mode != Mode.PIPELINED or run.draft is None or not drafts.tokens or spec_k <= 0:
+            return None
+        return Speculation(asyncio.ensure_future(
+            _timed(run.draft.propose, len(run.committed) + n, [], spec_k, run.next_seed())))
+
+    async def _verify(self, run: Run, drafts: Drafts, spec: Speculation | None):
+        """The target's verdict. A round the target refuses (our fault: a malformed draft) is
+        logged and verified again without drafts, and the draft is dropped for this request."""
+        try:
+            return await run.target.verify(drafts.tokens, drafts.dists)
+        except RoundRejected as e:
+            await cancel_and_wait(spec.task if spec else None)
+            if not drafts.tokens:
+                raise
+            log.error("the target refused a round of %d drafts (%s); verifying it again without drafts",
+                      len(drafts.tokens), e)
+            await self._drop_draft(run, e)
+            drafts.tokens, drafts.dists = [], []
+            return await run.target.verify([], [])
+        except BaseException:
+            await cancel_and_wait(spec.task if spec else None)
+            raise
+
+    async def _reconcile(self, run: Run, drafts: Drafts, v, spec: Speculation | None,
+                         t_verify: float) -> RoundRecord:
+        """Set up the next round from the speculation (a hit keeps its drafts) and record this one."""
+        t_verified = time.perf_counter()
+        rec = RoundRecord(k=len(drafts.tokens), accepted=v.num_accepted, draft_ms=drafts.draft_ms,
+                          verify_ms=v.verify_ms, rpc_ms=max(0.0, v.rtt_ms - v.verify_ms), wire_bytes=v.wire_bytes,
+                          pipeline_hit=drafts.from_speculation)
+        if spec is None or run.draft is None:
+            return rec
+        res = await self._draft_call(run, spec.task)
+        if res is None:
+            return rec
+        run.draft_holds = run.committed + drafts.tokens + res.token_ids
+        rec.spec_wait_ms = max(0.0, res.finished - t_verified) * 1e3
+        rec.overlap_ms = max(0.0, min(t_verified, res.finished) - max(t_verify, res.started)) * 1e3
+        if v.num_accepted == len(drafts.tokens) and res.token_ids and res.token_ids[0] == v.next_token:
+            run.ready = Drafts(res.token_ids[1:], res.dists[1:], res.draft_ms)
+        else:
+            rec.wasted_draft_tokens = len(res.token_ids)
+        return rec
+
+    def _commit(self, run: Run, new: list[int], rec: RoundRecord | None, t0: float | None) -> Event:
+        """Append the round's tokens; emit what is new, up to a finish (EOS, stop, length)."""
+        run.committed += new
+        take: list[int] = []
+        stop_at = None
+        for t in new[:run.remaining]:
+            take.append(t)
+            stop_at = run.text.push(t)
+            if t in run.eos:
+                run.finish_reason = "eos"
+            elif stop_at is not None:
+                run.finish_reason = "stop"
+            if run.finish_reason:
+                break
+        run.out += take
+        if not run.finish_reason and run.remaining <= 0:
+            run.finish_reason = "length"
+        if rec is not None:
+            rec.draft_available = run.draft is not None or not run.wants_draft
+            rec.round_ms = (time.perf_counter() - t0) * 1e3
+            run.rounds.append(rec)
+        return run.event(take, run.text.take(bool(run.finish_reason), stop_at), rec)
+
+    def _summary(self, run: Run) -> Event:
+        total_ms = (time.perf_counter() - run.started) * 1e3
+        ev = run.event([], "")
+        ev.summary = summarize(run.rounds, len(run.req.prompt_ids), len(run.out), run.ttft_ms, total_ms)
+        return ev
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -155,256 +478,8 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-class _Detokenizer:
-    """Incremental text with stop sequences; holds back incomplete UTF-8."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
-        self.decode = decode
-        self.stop = stop
-        self.emitted = ""
-
-    def find_stop(self, tokens: list[int]) -> tuple[list[int], str] | None:
-        text = self.decode(tokens)
-        hits = [(text.find(s), s) for s in self.stop if s and s in text]
-        if not hits:
-            return None
-        idx = min(h[0] for h in hits)
-        n = len(tokens)
-        while n > 1 and any(s in self.decode(tokens[: n - 1]) for s in self.stop if s):
-            n -= 1
-        return tokens[:n], text[:idx]
-
-    def delta(self, text: str, final: bool) -> str:
-        if not final and text.endswith("\ufffd"):
-            return ""
-        if not text.startswith(self.emitted):
-            return ""
-        d = text[len(self.emitted):]
-        self.emitted = text
-        return d
-
-
-class Orchestrator:
-    def __init__(self, backends: Backends, decode: Callable[[list[int]], str],
-                 settings: OrchestratorSettings | None = None):
-        self.backends = backends
-        self.decode = decode
-        self.settings = settings or OrchestratorSettings()
-
-    # -- validation ----------------------------------------------------------------------
-    def validate(self, req: GenerationRequest) -> GenerationRequest:
-        t = self.backends.target
-        if not req.prompt_ids:
-            raise InvalidArgument("prompt is empty")
-        if req.max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be > 0, got {req.max_new_tokens}")
-        if len(req.prompt_ids) + req.max_new_tokens > t.max_context:
-            raise InvalidArgument(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the "
-                f"target context limit of {t.max_context}")
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= t.vocab_size:
-            raise InvalidArgument(f"prompt token ids must be in [0, {t.vocab_size})")
-        if req.k == 0:
-            req.k = self.settings.default_k
-        if not 1 <= req.k <= self.settings.max_k:
-            raise InvalidArgument(f"k must be in [1, {self.settings.max_k}], got {req.k}")
-        if req.mode is None:
-            req.mode = self.settings.default_mode
-        if req.mode not in tuple(Mode):
-            raise InvalidArgument(f"unknown mode {req.mode!r}: use pipelined, sequential or target-only")
-        req.mode = Mode(req.mode)
-        req.sampling.validate()
-        if req.draft_sampling is None:
-            s = self.settings
-            if req.sampling.greedy:
-                req.draft_sampling = SamplingParams()
-            elif s.default_draft_temperature < 0:
-                req.draft_sampling = req.sampling
-            else:
-                req.draft_sampling = SamplingParams(s.default_draft_temperature, s.default_draft_top_k,
-                                                    s.default_draft_top_p)
-        req.draft_sampling.validate("draft_")
-        if len(req.stop) > MAX_STOP_SEQUENCES:
-            raise InvalidArgument(f"stop: at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}")
-        for s in req.stop:
-            if not s or len(s) > MAX_STOP_LENGTH:
-                raise InvalidArgument(f"stop: each stop sequence must have 1 to {MAX_STOP_LENGTH} characters")
-        if req.seed is None:
-            req.seed = random.getrandbits(63)
-        return req
-
-    # -- the loop ------------------------------------------------------------------------
-    async def _open_draft(self, sid: str, committed: list[int], req: GenerationRequest) -> DraftSession | None:
-        ds = self.backends.new_draft_session(sid)
-        if ds is None:
-            return None
-        try:
-            t = self.backends.target
-            await ds.open(committed, req.draft_sampling, t.fingerprint, t.vocab_size)
-            return ds
-        except FailedPrecondition:
-            raise
-        except Exception as e:  # draft down or full: serve target-only
-            if getattr(e, "code", None) is not None and _is_precondition(e):
-                raise FailedPrecondition(str(getattr(e, "details", lambda: e)())) from e
-            log.warning("draft session could not be opened (%s); serving target-only", e)
-            self.backends.draft_failed(e)
-            await quietly(ds.close(), "draft session close")
-            return None
-
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
-        req = self.validate(req)
-        t_start = time.perf_counter()
-        sid = uuid.uuid4().hex
-        seed = int(req.seed)
-        mode = req.mode
-        want_draft = mode != Mode.TARGET_ONLY
-        facts = self.backends.target
-        eos = set() if req.ignore_eos else set(facts.eos_token_ids)
-        detok = _Detokenizer(self.decode, req.stop)
-        target = self.backends.new_target_session(sid)
-        draft: DraftSession | None = None
-        draft_calls = 0
-        rounds: list[RoundRecord] = []
-        try:
-            target_open = asyncio.ensure_future(target.open(req.prompt_ids, req.sampling, derive_seed(seed, 0)))
-            if want_draft:
-                draft_open = asyncio.ensure_future(self._open_draft(sid + "-d0", list(req.prompt_ids), req))
-                try:
-                    opened = await target_open
-                finally:
-                    draft = await draft_open
-            else:
-                opened = await target_open
-            committed = list(req.prompt_ids) + [opened.first_token]
-            mirror: list[int] = list(req.prompt_ids)  # what the draft holds
-            out = [opened.first_token]
-            ttft_ms = (time.perf_counter() - t_start) * 1e3
-            finish = self._finish(out, req, eos, detok)
-            out = finish[0] if finish else out
-            text = finish[1] if finish and finish[1] is not None else self.decode(out)
-            yield Event(list(out), detok.delta(text, bool(finish)), finish_reason=finish[2] if finish else "",
-                        seed=seed, k=req.k, mode=mode)
-            ready: DraftResult | None = None  # drafts prepared by the pipeline for the next round
-            attach_no = 1
-            next_attach = time.perf_counter() + self.settings.probe_interval_s
-            while not finish:
-                t_round = time.perf_counter()
-                remaining = req.max_new_tokens - len(out)
-                room = facts.max_context - len(committed) - 1
-                k_round = max(0, min(req.k, remaining - 1, room))
-                if want_draft and draft is None and time.perf_counter() >= next_attach:
-                    draft = await self._open_draft(f"{sid}-d{attach_no}", list(committed), req)
-                    attach_no += 1
-                    next_attach = time.perf_counter() + self.settings.probe_interval_s
-                    mirror = list(committed)
-                    ready = None
-                drafts: list[int] = []
-                dists: list = []
-                draft_ms = 0.0
-                hit = False
-                if draft is not None and k_round > 0:
-                    if ready is not None and ready.token_ids:
-                        drafts, dists, draft_ms = ready.token_ids[:k_round], ready.dists[:k_round], ready.draft_ms
-                        hit = True
-                    else:
-                        keep = common_prefix_len(mirror, committed)
-                        try:
-                            draft_calls += 1
-                            res = await draft.propose(keep, committed[keep:], k_round, derive_seed(seed, 1, draft_calls))
-                            mirror = committed + res.token_ids
-                            drafts, dists, draft_ms = res.token_ids, res.dists, res.draft_ms
-                        except Exception as e:
-                            draft = await self._drop_draft(draft, e)
-                ready = None
-                # pipelined: speculate on the next round while this one verifies
-                spec_task = None
-                spec_k = min(req.k + 1, remaining - len(drafts) - 1, room - len(drafts) - 1)
-                if mode == Mode.PIPELINED and draft is not None and drafts and spec_k > 0:
-                    draft_calls += 1
-                    spec_task = asyncio.ensure_future(
-                        _timed(draft.propose(len(committed) + len(drafts), [], spec_k, derive_seed(seed, 1, draft_calls))))
-                t_v0 = time.perf_counter()
-                try:
-                    v = await target.verify(drafts, dists)
-                except BaseException:
-                    await cancel_and_wait(spec_task)
-                    raise
-                t_v1 = time.perf_counter()
-                new = drafts[: v.num_accepted] + [v.next_token]
-                overlap_ms = wasted = spec_wait_ms = 0
-                if spec_task is not None:
-                    try:
-                        spec = await spec_task
-                        spec_wait_ms = max(0.0, spec.finished - t_v1) * 1e3
-                        mirror = committed + drafts + spec.token_ids
-                        overlap_ms = max(0.0, min(t_v1, spec.finished) - max(t_v0, spec.started)) * 1e3
-                        if v.num_accepted == len(drafts) and spec.token_ids and spec.token_ids[0] == v.next_token:
-                            ready = DraftResult(spec.token_ids[1:], spec.dists[1:], spec.draft_ms)
-                            wasted = 0
-                        else:
-                            wasted = len(spec.token_ids)
-                    except Exception as e:
-                        draft = await self._drop_draft(draft, e)
-                committed = committed + new
-                take = new[:remaining]
-                out.extend(take)
-                finish = self._finish(out, req, eos, detok)
-                if finish:
-                    emitted_before = len(out) - len(take)
-                    out = finish[0]
-                    take = out[emitted_before:]
-                rec = RoundRecord(k=len(drafts), accepted=v.num_accepted, draft_ms=draft_ms,
-                                  verify_ms=v.verify_ms, overlap_ms=overlap_ms, wasted_draft_tokens=wasted,
-                                  rpc_ms=max(0.0, v.rtt_ms - v.verify_ms),
-                                  draft_available=draft is not None or not want_draft,
-                                  wire_bytes=v.wire_bytes, round_ms=(time.perf_counter() - t_round) * 1e3,
-                                  pipeline_hit=hit, spec_wait_ms=spec_wait_ms)
-                rounds.append(rec)
-                text = finish[1] if finish and finish[1] is not None else self.decode(out)
-                yield Event(list(take), detok.delta(text, bool(finish)), round=rec,
-                            finish_reason=finish[2] if finish else "", seed=seed, k=req.k, mode=mode)
-            total_ms = (time.perf_counter() - t_start) * 1e3
-            summary = summarize(rounds, len(req.prompt_ids), len(out), ttft_ms, total_ms)
-            yield Event([], "", summary=summary, finish_reason=finish[2], seed=seed, k=req.k, mode=mode)
-        finally:
-            await quietly(target.close(), "target session close")
-            if draft is not None:
-                await quietly(draft.close(), "draft session close")
-
-    async def _drop_draft(self, draft: DraftSession, error: BaseException) -> None:
-        log.warning("draft failed mid-request (%s); continuing target-only", error)
-        self.backends.draft_failed(error)
-        await quietly(draft.close(), "draft session close")
-        return None
-
-    def _finish(self, out: list[int], req: GenerationRequest, eos: set[int], detok: _Detokenizer):
-        """-> None, or (tokens kept, final text or None, finish reason)."""
-        for i, t in enumerate(out):
-            if t in eos:
-                kept = out[: i + 1]
-                return kept, self.decode(kept), "eos"
-        if req.stop:
-            hit = detok.find_stop(out)
-            if hit:
-                return hit[0], hit[1], "stop"
-        if len(out) >= req.max_new_tokens:
-            return out[: req.max_new_tokens], None, "length"
-        return None
-
-
-async def _timed(coro) -> DraftResult:
+async def _timed(propose, *args) -> DraftResult:
     started = time.perf_counter()
-    res = await coro
+    res = await propose(*args)
     res.started, res.finished = started, time.perf_counter()
     return res
-
-
-def _is_precondition(e: BaseException) -> bool:
-    import grpc
-
-    code = getattr(e, "code", None)
-    try:
-        return callable(code) and code() == grpc.StatusCode.FAILED_PRECONDITION
-    except Exception:
-        return False

@@ -4,32 +4,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
+from dataclasses import asdict
 
 import grpc
 
 from orchestrator.clients import GrpcBackends
-from orchestrator.engine import MODE_NAMES, GenerationRequest, Mode, Orchestrator, OrchestratorSettings
-from specdec import metrics, models
+from orchestrator.engine import GenerationRequest, Orchestrator
+from specdec import hf_compat, metrics, models
 from specdec.config import OrchestratorConfig
-from specdec.aio import cancelled_by_caller
 from specdec.devices import process_memory_bytes
 from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.rpc import Server, abort_with, sampling_from_proto
+from specdec.modes import Mode
+from specdec.rpc import Server, Servicer, boundary, sampling_from_proto
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, specdec_pb2, specdec_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
 SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["SpecDec"].full_name
 MAX_PROMPT_CHARS = 1_000_000
-
-
-def settings_from(cfg: OrchestratorConfig) -> OrchestratorSettings:
-    if cfg.default_mode not in MODE_NAMES:
-        raise InvalidArgument(f"default_mode must be one of {sorted(MODE_NAMES)}, got {cfg.default_mode!r}")
-    return OrchestratorSettings(
-        default_k=cfg.default_k, max_k=cfg.max_k, default_mode=MODE_NAMES[cfg.default_mode],
-        default_draft_temperature=cfg.default_draft_temperature, default_draft_top_k=cfg.default_draft_top_k,
-        default_draft_top_p=cfg.default_draft_top_p, probe_interval_s=cfg.probe_interval_s)
 
 
 class Prompter:
@@ -52,8 +45,7 @@ class Prompter:
                 return []
             if any(m["role"] not in ("system", "user", "assistant") for m in msgs):
                 raise InvalidArgument("chat roles must be system, user or assistant")
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return hf_compat.chat_token_ids(self.tokenizer, msgs)
         return []
 
     def decode(self, ids: list[int]) -> str:
@@ -67,34 +59,41 @@ def _sampling(msg, has: bool, prefix: str) -> SamplingParams | None:
     return p.validate(prefix)
 
 
-class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer):
+class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer, Servicer):
+    loading = "the orchestrator is starting (waiting for the target service)"
+
     def __init__(self, cfg: OrchestratorConfig, backends: GrpcBackends):
+        Mode.parse(cfg.default_mode)  # a bad default fails at startup, not per request
         self.cfg = cfg
         self.backends = backends
-        self.settings = settings_from(cfg)
         self.engine: Orchestrator | None = None
         self.prompter: Prompter | None = None
         self.running = 0
 
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
     def attach(self, tokenizer) -> None:
         self.prompter = Prompter(tokenizer)
-        self.engine = Orchestrator(self.backends, self.prompter.decode, self.settings)
+        self.engine = Orchestrator(self.backends, self.prompter.decode, self.cfg)
 
+    @boundary
     async def GetInfo(self, request, context) -> specdec_pb2.ServerInfo:
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
         await self.backends.refresh()  # live occupancy (active sessions), not the last probe's
+        b = self.backends
         return specdec_pb2.ServerInfo(
-            target=self.backends.target_info, draft=self.backends.draft_info or common_pb2.ModelInfo(),
-            draft_available=self.backends.draft_up, default_k=self.settings.default_k, max_k=self.settings.max_k,
-            default_mode=int(self.settings.default_mode))
+            target=b.target_info, draft=b.draft_info or common_pb2.ModelInfo(), draft_available=b.draft_up,
+            draft_problem="" if b.draft_up else b.draft_problem, default_k=self.cfg.default_k,
+            max_k=self.cfg.max_k, default_mode=int(self.engine.default_mode))
 
-    def _request(self, req: specdec_pb2.GenerateRequest) -> GenerationRequest:
+    def _request(self, req: specdec_pb2.GenerateRequest, context) -> GenerationRequest:
         if req.mode not in (0, *[int(m) for m in Mode]):
             raise InvalidArgument(f"unknown mode {req.mode}: use pipelined (1), sequential (2) or target-only (3)")
+        left = context.time_remaining()
         return GenerationRequest(
             prompt_ids=self.prompter.token_ids(req),
-            max_new_tokens=req.max_new_tokens,
+            max_tokens=req.max_tokens,
             sampling=_sampling(req.sampling, req.HasField("sampling"), "") or SamplingParams(),
             draft_sampling=_sampling(req.draft_sampling, req.HasField("draft_sampling"), "draft_"),
             seed=req.seed if req.HasField("seed") else None,
@@ -102,58 +101,31 @@ class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer):
             ignore_eos=req.ignore_eos,
             k=req.k,
             mode=Mode(req.mode) if req.mode else None,
+            deadline=None if left is None else time.monotonic() + left,
         )
 
+    @boundary
     async def Generate(self, request: specdec_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
         if self.running >= self.cfg.max_sessions:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"orchestrator is at its limit of {self.cfg.max_sessions} concurrent requests")
+            raise ResourceExhausted(f"the orchestrator is at its limit of {self.cfg.max_sessions} concurrent requests")
         self.running += 1
         try:
-            req = self._request(request)
-            round_no = 0
+            req = self._request(request, context)
+            rounds = 0
             async for ev in self.engine.generate(req):
                 chunk = specdec_pb2.GenerateChunk(text=ev.text, token_ids=ev.token_ids)
                 if ev.round is not None:
-                    r = ev.round
-                    round_no += 1
-                    chunk.round.CopyFrom(specdec_pb2.RoundStats(
-                        round=round_no, k=r.k, accepted=r.accepted, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
-                        overlap_ms=r.overlap_ms, wasted_draft_tokens=r.wasted_draft_tokens, rpc_ms=r.rpc_ms,
-                        draft_available=r.draft_available, wire_bytes=r.wire_bytes, round_ms=r.round_ms,
-                        pipeline_hit=r.pipeline_hit, spec_wait_ms=r.spec_wait_ms))
-                    _observe_round(r)
+                    rounds += 1
+                    chunk.round.CopyFrom(specdec_pb2.RoundStats(round=rounds, **asdict(ev.round)))
+                    _observe_round(ev.round)
                 if ev.summary is not None:
-                    chunk.summary.CopyFrom(_summary_proto(ev, req))
+                    chunk.summary.CopyFrom(specdec_pb2.Summary(
+                        **asdict(ev.summary), finish_reason=ev.finish_reason, mode=int(ev.mode), k=ev.k,
+                        seed=ev.seed, prompt_token_ids=req.prompt_ids))
                     _observe_summary(ev)
                 yield chunk
-        except grpc.aio.AbortError:
-            raise
-        except asyncio.CancelledError as e:
-            if cancelled_by_caller():
-                raise
-            await abort_with(context, e)  # a cancelled peer call, not ours: never end without a status
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            await abort_with(context, e)
         finally:
             self.running -= 1
-
-
-def _summary_proto(ev, req: GenerationRequest) -> specdec_pb2.Summary:
-    s = ev.summary
-    return specdec_pb2.Summary(
-        prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, ttft_ms=s.ttft_ms, tpot_ms=s.tpot_ms,
-        tokens_per_s=s.tokens_per_s, total_ms=s.total_ms, acceptance_rate=s.acceptance_rate,
-        mean_accepted_length=s.mean_accepted_length, acceptance_by_position=s.acceptance_by_position,
-        accepted_by_position=s.accepted_by_position, drafted_by_position=s.drafted_by_position, rounds=s.rounds,
-        draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens, finish_reason=ev.finish_reason,
-        mode=int(ev.mode), k=ev.k, seed=ev.seed, rpc_overhead_ms_per_round=s.rpc_overhead_ms_per_round,
-        wasted_draft_tokens=s.wasted_draft_tokens, draft_ms_total=s.draft_ms_total,
-        verify_ms_total=s.verify_ms_total, overlap_ms_total=s.overlap_ms_total,
-        draft_fallback_rounds=s.draft_fallback_rounds, prompt_token_ids=req.prompt_ids,
-        mean_wire_bytes_per_round=s.mean_wire_bytes_per_round)
 
 
 def _observe_round(r) -> None:
@@ -187,7 +159,7 @@ async def serve(cfg: OrchestratorConfig, tokenizer_spec: str = "") -> None:
     servicer: SpecDecServicer | None = None
 
     async def follow_target(up: bool) -> None:  # our health is the target's, once we are ready
-        if servicer is not None and servicer.engine is not None:
+        if servicer is not None and servicer.ready:
             await server.set_serving(up)
 
     backends = GrpcBackends(cfg.target_address, cfg.draft_address, cfg.rpc_timeout_s, cfg.probe_interval_s,

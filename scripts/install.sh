@@ -30,7 +30,7 @@ if [ -z "$stamp_file" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$LLAMA_BUILD
     $PY -m pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps "llama-cpp-python==0.3.36"
   echo "$LLAMA_BUILD" > "$(llama_stamp)"
 fi
-$PY -m pip install -q --disable-pip-version-check -e ".[test]"
+$PY -m pip install -q --disable-pip-version-check -e ".[test,lab]"
 # docker-compose (v1, Debian) only validates docker-compose.yml in the tests; no engine is needed
 if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) >/dev/null 2>&1 \

@@ -1,51 +1,21 @@
-"""The `specdec` command line: up, generate, info (and bench, tune); and each service's entry point."""
+"""The `specdec` command line: up, generate, info.
+
+More subcommands come from the `specdec.commands` entry points (pyproject.toml): the
+measurement lab adds bench, study and tune, without the core ever importing it."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import json
-import logging
+import re
 import signal
 import sys
 import time
 
-from specdec.config import SpecdecConfig, apply_overrides
+from importlib.metadata import entry_points
 
-SERVICE_SECTIONS = {"target": "target", "draft": "draft", "orchestrator": "orchestrator"}
+from specdec.config import SpecdecConfig
 
-
-def _add_dataclass_flags(parser: argparse.ArgumentParser, obj) -> None:
-    for f in dataclasses.fields(obj):
-        default = getattr(obj, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, type=type(default), default=None,
-                            help=f"(default: {default!r})")
-
-
-def service_main(kind: str, argv: list[str] | None = None) -> None:
-    """Entry point of `python -m target_service|draft_service|orchestrator`."""
-    cfg = SpecdecConfig()
-    section = getattr(cfg, kind)
-    ap = argparse.ArgumentParser(prog=f"python -m {kind}_service" if kind != "orchestrator" else "python -m orchestrator",
-                                 description=f"specdec {kind} service")
-    ap.add_argument("--config", help="TOML config file ([target], [draft], [orchestrator])")
-    _add_dataclass_flags(ap, section)
-    args = vars(ap.parse_args(argv))
-    cfg = SpecdecConfig.load(args.pop("config"))
-    section = getattr(cfg, kind)
-    apply_overrides(section, args, "flag")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind} %(levelname)s %(name)s: %(message)s")
-    if kind == "target":
-        from target_service.server import serve
-    elif kind == "draft":
-        from draft_service.server import serve
-    else:
-        from orchestrator.server import serve
-    try:
-        asyncio.run(serve(section))
-    except KeyboardInterrupt:
-        pass
+COMMAND_PLUGINS = "specdec.commands"  # entry points: callables that add subparsers
 
 
 # -- specdec up ----------------------------------------------------------------------------
@@ -134,7 +104,7 @@ def cmd_generate(a) -> int:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {e.code().name}: {name_flag(e.details() or '', a.flags)}", file=sys.stderr)
         return 2
     res = col.result()
     if a.json:
@@ -145,6 +115,15 @@ def cmd_generate(a) -> int:
               f"ttft {s.get('ttft_ms', 0):.0f} ms, acceptance {s.get('acceptance_rate', 0):.2f}, "
               f"mode {s.get('mode')}, k {s.get('k')}, finish {s.get('finish_reason')}]", file=sys.stderr)
     return 0
+
+
+def name_flag(message: str, flags: dict[str, str]) -> str:
+    """Errors name the parameter first ('max_tokens must be > 0'); a CLI user also gets its flag
+    ('max_tokens (--max-tokens) must be > 0')."""
+    m = re.match(r"[a-z_]+", message)
+    if m and m.group(0) in flags:
+        return f"{m.group(0)} ({flags[m.group(0)]}){message[m.end():]}"
+    return message
 
 
 def cmd_info(a) -> int:
@@ -192,19 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (prompt_token_ids, token_ids, text, stats)")
     g.add_argument("--rounds", action="store_true", help="with --json: include per-round statistics")
     g.add_argument("--timeout", type=float, default=600)
-    g.set_defaults(fn=cmd_generate)
+    g.set_defaults(fn=cmd_generate, flags={x.dest: x.option_strings[-1] for x in g._actions if x.option_strings})
 
     i = sub.add_parser("info", help="show the served models and defaults")
     i.add_argument("--address", default="127.0.0.1:50051")
     i.add_argument("--timeout", type=float, default=30)
     i.set_defaults(fn=cmd_info)
 
-    try:
-        from specdec import bench
-
-        bench.add_parsers(sub)
-    except ImportError:
-        pass
+    for ep in entry_points(group=COMMAND_PLUGINS):  # the lab's bench, study and tune
+        ep.load()(sub)
     return ap
 
 

@@ -18,10 +18,9 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from specdec.modes import Mode
 from specdec.v1 import common_pb2, specdec_pb2, specdec_pb2_grpc
 
-MODES = {"pipelined": specdec_pb2.MODE_PIPELINED, "sequential": specdec_pb2.MODE_SEQUENTIAL,
-         "target-only": specdec_pb2.MODE_TARGET_ONLY}
 
 
 @dataclass
@@ -55,7 +54,7 @@ def build_request(prompt: str | None = None, *, text: str | None = None, message
     given = [x is not None for x in (prompt, text, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, text, messages or token_ids")
-    req = specdec_pb2.GenerateRequest(max_new_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos, k=k)
+    req = specdec_pb2.GenerateRequest(max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos, k=k)
     if prompt is not None:
         messages = [{"role": "user", "content": prompt}]
     if text is not None:
@@ -67,9 +66,7 @@ def build_request(prompt: str | None = None, *, text: str | None = None, message
     if seed is not None:
         req.seed = seed
     if isinstance(mode, str):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}")
-        req.mode = MODES[mode]
+        req.mode = Mode.parse(mode)
     elif mode is not None:
         req.mode = mode
     _set_sampling(req.sampling, temperature, top_k, top_p)
@@ -88,6 +85,11 @@ def _set_sampling(msg: common_pb2.SamplingParams, temperature, top_k, top_p) -> 
         msg.top_k = top_k
     if top_p is not None:
         msg.top_p = top_p
+
+
+def info_dict(info: specdec_pb2.ServerInfo) -> dict:
+    """ServerInfo as a dict with every field, false and zero ones included."""
+    return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 class ResultCollector:
@@ -109,7 +111,7 @@ class ResultCollector:
         s = self.summary or specdec_pb2.Summary()
         stats = message_to_plain(s)
         stats.pop("prompt_token_ids", None)
-        stats["mode"] = {v: k for k, v in MODES.items()}.get(s.mode, "unspecified")
+        stats["mode"] = Mode(s.mode).label if s.mode in tuple(Mode) else "unspecified"
         return GenerationResult(list(s.prompt_token_ids), self.tokens, "".join(self.text), stats, self.rounds)
 
 
@@ -133,8 +135,7 @@ class Client:
         return self.complete(prompt, **kw).text
 
     def info(self) -> dict:
-        return MessageToDict(self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout),
-                             preserving_proto_field_name=True)
+        return info_dict(self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout))
 
     def close(self) -> None:
         self.channel.close()
@@ -166,8 +167,7 @@ class AsyncClient:
         return (await self.complete(prompt, **kw)).text
 
     async def info(self) -> dict:
-        return MessageToDict(await self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout),
-                             preserving_proto_field_name=True)
+        return info_dict(await self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout))
 
     async def close(self) -> None:
         await self.channel.close()

@@ -13,7 +13,6 @@ such a file.
 """
 from __future__ import annotations
 
-import dataclasses
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -130,7 +129,3 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def replace(obj, **changes):
-    return dataclasses.replace(obj, **changes)

@@ -1,13 +1,13 @@
-"""Errors that carry a gRPC status code, raised by the engines and mapped by the servers."""
-from __future__ import annotations
+"""The errors engines raise. Pure: no transport here; `specdec.rpc` maps each to a gRPC status.
 
-import grpc
+Each error names the status a client gets (`status`, a grpc.StatusCode name) and carries a
+message meant for that client.
+"""
+from __future__ import annotations
 
 
 class SpecdecError(Exception):
-    """Base error: `code` is the gRPC status the servers answer with."""
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    status = "INTERNAL"
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -15,20 +15,42 @@ class SpecdecError(Exception):
 
 
 class InvalidArgument(SpecdecError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """The caller sent something wrong (named as the caller named it)."""
+
+    status = "INVALID_ARGUMENT"
 
 
 class ResourceExhausted(SpecdecError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    """Capacity is full (sessions, KV pool, queue); trying later may succeed."""
+
+    status = "RESOURCE_EXHAUSTED"
 
 
 class FailedPrecondition(SpecdecError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    status = "FAILED_PRECONDITION"
 
 
 class NotFound(SpecdecError):
-    code = grpc.StatusCode.NOT_FOUND
+    status = "NOT_FOUND"
 
 
 class Unavailable(SpecdecError):
-    code = grpc.StatusCode.UNAVAILABLE
+    """A dependency is down, or still loading."""
+
+    status = "UNAVAILABLE"
+
+
+class DeadlineExceeded(SpecdecError):
+    """The client's time ran out."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
+class Internal(SpecdecError):
+    """Our own fault, not the caller's."""
+
+    status = "INTERNAL"
+
+
+class RoundRejected(Internal):
+    """The target refused a round the orchestrator built (for example a malformed draft)."""

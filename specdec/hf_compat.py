@@ -39,10 +39,6 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, cache) -> to
     return out.logits[0].float()
 
 
-def cache_length(cache) -> int:
-    return int(cache.get_seq_length())
-
-
 def crop_cache(cache, n_remove: int) -> None:
     if n_remove > 0:
         cache.crop(-n_remove)
@@ -57,3 +53,17 @@ def plain_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     fresh = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     fresh.load_state_dict(model.state_dict(), strict=True)
     return fresh
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a chat rendered with the tokenizer's template and a generation prompt.
+
+    `apply_chat_template(tokenize=True)` returns a BatchEncoding in 5.x and a list before.
+    """
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def chat_text(tokenizer, messages: list[dict]) -> str:
+    """The same chat rendered as text (what a text-prompt peer such as llama.cpp is given)."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -93,6 +93,13 @@ class Stack:
             if pending:
                 time.sleep(0.3)
 
+    def ensure_running(self, service: str, timeout_s: float = 120.0) -> None:
+        """Start `service` again if its process has exited, and wait until it is healthy."""
+        p = self.procs.get(service)
+        if p is None or p.poll() is not None:
+            self.start_service(service)
+            self.wait_ready(timeout_s, [service])
+
     def log(self, service: str) -> str:
         path = self.dir / f"{service}.log"
         return path.read_text(errors="replace") if path.exists() else ""

@@ -1,18 +1,31 @@
-"""gRPC plumbing shared by the three servers: health, reflection, errors, graceful stop."""
+"""gRPC plumbing shared by the three servers: the error boundary, the session stream, health,
+reflection (v1 and v1alpha), graceful stop, and the sampling message conversions.
+
+The error boundary (`@boundary` on every servicer method) is the one place where our errors
+become statuses: a `SpecdecError` answers with its own status and message; a cancellation
+of the handler itself propagates; anything else (a CancelledError leaking from a peer call
+included) is logged and answered INTERNAL, so that no RPC ends without a status. It also
+answers UNAVAILABLE while the servicer is still loading its model.
+"""
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import signal
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from specdec.aio import cancelled_by_caller
 from specdec.errors import SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +45,66 @@ SERVER_OPTIONS = [
 ]
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-    """Answer a SpecdecError or a peer's AioRpcError with its own status; anything else is INTERNAL."""
+# -- the error boundary ----------------------------------------------------------------------------
+
+def status_of(error: SpecdecError) -> grpc.StatusCode:
+    return grpc.StatusCode[error.status]
+
+
+async def answer_error(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    """End the RPC with the status `error` deserves (raises, as context.abort does)."""
+    if isinstance(error, grpc.aio.AbortError):
+        raise error  # the status is already set
+    if isinstance(error, asyncio.CancelledError) and cancelled_by_caller():
+        raise error  # the client went away or its deadline passed: nobody to answer
     if isinstance(error, SpecdecError):
-        await context.abort(error.code, error.message)
-    if isinstance(error, grpc.aio.AioRpcError):
-        await context.abort(error.code(), error.details() or "")
-    log.exception("internal error", exc_info=error)
+        await context.abort(status_of(error), error.message)
+    log.error("internal error", exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
+
+class Servicer:
+    """Base of our servicers: `ready` says whether the model is loaded; `loading` says what to
+    tell a caller until then (UNAVAILABLE)."""
+
+    loading = "the service is loading its model"
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+
+def boundary(method):
+    """Wrap a servicer method (unary or server-streaming) in the readiness guard and the error
+    boundary."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def streaming(self: Servicer, request, context):
+            if not self.ready:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.loading)
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (GeneratorExit, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - this is the boundary
+                await answer_error(context, e)
+        return streaming
+
+    @functools.wraps(method)
+    async def unary(self: Servicer, request, context):
+        if not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.loading)
+        try:
+            return await method(self, request, context)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - this is the boundary
+            await answer_error(context, e)
+    return unary
+
+
+# -- one session per stream -------------------------------------------------------------------------
 
 @dataclass
 class StreamSession:
@@ -59,8 +123,8 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
     The first message (`open`) opens the session; each later message is handled by
     `handlers[kind](message, owner)`. When the stream ends, however it ends, `close` runs:
     it is synchronous (the engine frees the session itself, after any work in flight), so
-    a cancellation of this handler cannot skip or abandon it. Errors become gRPC statuses
-    (see `abort_with`).
+    a cancellation of this handler cannot skip or abandon it. Errors are left to the
+    servicer's `@boundary`.
     """
     owner = StreamSession()
     opened = False
@@ -74,17 +138,54 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
                                     "session already open on this stream" if opened else f"{kind} before open")
             opened = True
             yield await handlers[kind](getattr(req, kind), owner)
-    except grpc.aio.AbortError:
-        raise
-    except asyncio.CancelledError as e:
-        if cancelled_by_caller():
-            raise
-        await abort_with(context, e)  # a cancelled peer call, not ours: never end without a status
-    except Exception as e:  # noqa: BLE001 - mapped to a status
-        await abort_with(context, e)
     finally:
         if owner.session_id is not None:
             close(owner.session_id)
+
+
+# -- the server: health, reflection, graceful stop ---------------------------------------------------
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _register_reflection_v1_descriptor() -> None:
+    """Put grpc.reflection.v1's file descriptor in the default pool: it is v1alpha's, renamed
+    (the two protocols are identical on the wire), so reflection can describe itself."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    fd = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(fd)
+    fd.name = "grpc/reflection/v1/reflection.proto"
+    fd.package = "grpc.reflection.v1"
+    for m in fd.message_type:
+        for f in m.field:
+            if f.type_name.startswith(".grpc.reflection.v1alpha."):
+                f.type_name = f.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+    for s in fd.service:
+        for meth in s.method:
+            meth.input_type = meth.input_type.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+            meth.output_type = meth.output_type.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+    fd.options.Clear()
+    pool.Add(fd)
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """Server reflection under both names: grpc.reflection.v1alpha (what grpcio-reflection ships)
+    and grpc.reflection.v1 (what newer tools such as evans speak)."""
+    _register_reflection_v1_descriptor()
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    servicer = reflection.aio.ReflectionServicer(names)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    for name in (reflection.SERVICE_NAME, REFLECTION_V1):
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),))
 
 
 class Server:
@@ -95,8 +196,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
-        reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                            self.server)
+        enable_reflection(self.server, [*self.service_names, health.SERVICE_NAME])
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
@@ -126,19 +226,9 @@ class Server:
             await on_stop()
 
 
-async def check_health(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
-    try:
-        async with grpc.aio.insecure_channel(address) as ch:
-            resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout_s)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.aio.AioRpcError:
-        return False
+# -- conversions --------------------------------------------------------------------------------------
 
-
-def sampling_from_proto(msg) -> "SamplingParams":
-    from specdec.sampling import SamplingParams
-
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
         top_k=msg.top_k if msg.HasField("top_k") else 0,
@@ -146,7 +236,5 @@ def sampling_from_proto(msg) -> "SamplingParams":
     )
 
 
-def sampling_to_proto(p) -> "common_pb2.SamplingParams":
-    from specdec.v1 import common_pb2
-
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)

@@ -1,5 +1,6 @@
-"""python -m target_service [--config FILE] [--port N] [--model M] ..."""
-from specdec.cli import service_main
+"""python -m target_service [--config FILE] [--port N] ... (every config field of [target] is a flag)"""
+from specdec.service import run_service
+from target_service.server import serve
 
 if __name__ == "__main__":
-    service_main("target")
+    run_service("target", serve)

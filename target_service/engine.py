@@ -14,17 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.acceptance import verify_drafts
+from specdec.config import TargetConfig
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.runner import ModelRunner, SessionCache
 from specdec.sampling import SamplingParams, make_generator, processed_probs, sample_index
 
 MAX_DRAFT_TOKENS = 64
-
-
-@dataclass
-class TargetLimits:
-    max_sessions: int = 16
-    kv_budget_tokens: int = 65536  # all sessions together
 
 
 @dataclass
@@ -56,9 +51,9 @@ class _Session:
 
 
 class TargetEngine:
-    def __init__(self, runner: ModelRunner, limits: TargetLimits | None = None):
+    def __init__(self, runner: ModelRunner, config: TargetConfig | None = None):
         self.runner = runner
-        self.limits = limits or TargetLimits()
+        self.limits = config or TargetConfig()
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
 

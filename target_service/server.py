@@ -10,15 +10,18 @@ import grpc
 from specdec import metrics
 from specdec.config import TargetConfig
 from specdec.devices import configure_process, process_memory_bytes, resolve_device
-from specdec.rpc import Server, StreamSession, sampling_from_proto, serve_session
+from specdec.errors import InvalidArgument
+from specdec.rpc import Server, Servicer, StreamSession, boundary, sampling_from_proto, serve_session
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine, TargetLimits
+from target_service.engine import TargetEngine
 
 log = logging.getLogger("specdec.target")
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(target_pb2_grpc.TargetServiceServicer, Servicer):
+    loading = "the target model is loading"
+
     def __init__(self, model_spec: str, device: str, engine: TargetEngine | None = None):
         self.engine = engine  # None while the model loads: RPCs answer UNAVAILABLE
         self.model_spec = model_spec
@@ -35,17 +38,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             max_sessions=self.engine.limits.max_sessions, active_sessions=self.engine.active_sessions,
             kv_tokens_in_use=self.engine.kv_tokens_in_use)
 
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @boundary
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "target model is loading")
         return self.model_info()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    @boundary
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "target model is loading")
         async for reply in serve_session(request_iterator, context, {"open": self._open, "verify": self._verify},
                                          self._close):
             yield reply
@@ -60,7 +65,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def _verify(self, v: target_pb2.TargetVerify, owner: StreamSession) -> target_pb2.TargetResponse:
         dists = [(list(d.token_ids), list(d.probs)) for d in v.draft_dists]
-        res = await self._run(self.engine.verify, owner.session_id, list(v.draft_token_ids), dists)
+        try:
+            res = await self._run(self.engine.verify, owner.session_id, list(v.draft_token_ids), dists)
+        except InvalidArgument as e:  # checked before the session changed: it stays open
+            return target_pb2.TargetResponse(refused=target_pb2.RoundRefused(message=e.message))
         metrics.VERIFY_SECONDS.observe(res.verify_ms / 1e3)
         return target_pb2.TargetResponse(verified=target_pb2.TargetVerified(
             num_accepted=res.num_accepted, next_token=res.next_token, verify_ms=res.verify_ms,
@@ -82,7 +90,7 @@ async def serve(cfg: TargetConfig) -> None:
     await server.set_serving(False)
     log.info("target service on %s, loading %s", server.address, cfg.model)
     runner = await asyncio.to_thread(ModelRunner.load, cfg.model, cfg.dtype, device)
-    engine = TargetEngine(runner, TargetLimits(cfg.max_sessions, cfg.kv_budget_tokens))
+    engine = TargetEngine(runner, cfg)
     servicer.engine = engine
     metrics.TARGET_SESSIONS.set_function(lambda: engine.active_sessions)
     metrics.KV_TOKENS.set_function(lambda: engine.kv_tokens_in_use)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,19 +60,42 @@ def tiny_models(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
     }
 
 
+def tiny_config(tiny_models: dict[str, Path]):
+    """The tiny target and a tiny torch draft on free ports, unpinned (tests share two cores)."""
+    from specdec.launcher import local_config
+
+    cfg = local_config()
+    cfg.target.model = str(tiny_models["target"])
+    cfg.draft.engine = "torch"
+    cfg.draft.model = str(tiny_models["draft"])
+    cfg.target.cpu_cores = cfg.draft.cpu_cores = ""
+    return cfg
+
+
+def with_metrics(cfg):
+    from specdec.launcher import free_port
+
+    for s in (cfg.target, cfg.draft, cfg.orchestrator):
+        s.metrics_port = free_port()
+    return cfg
+
+
+@contextmanager
+def running(cfg, log_dir, ready_s: float = 300):
+    """All services of `cfg` started and healthy; stopped on exit."""
+    from specdec.launcher import Stack
+
+    with Stack(cfg, log_dir).start() as stack:
+        stack.wait_ready(ready_s)
+        yield stack
+
+
 @pytest.fixture(scope="session")
 def default_stack(tmp_path_factory):
     """The default pair as three real processes (what `specdec up` starts)."""
-    from specdec.launcher import Stack, free_port, local_config
+    from specdec.launcher import local_config
 
-    cfg = local_config()
-    cfg.target.metrics_port = free_port()
-    cfg.draft.metrics_port = free_port()
-    cfg.orchestrator.metrics_port = free_port()
+    cfg = with_metrics(local_config())
     cfg.orchestrator.probe_interval_s = 0.5
-    stack = Stack(cfg, tmp_path_factory.mktemp("default-stack")).start()
-    try:
-        stack.wait_ready(600)
+    with running(cfg, tmp_path_factory.mktemp("default-stack"), 600) as stack:
         yield stack
-    finally:
-        stack.stop()

@@ -4,13 +4,17 @@ plus the study's report (Markdown, JSON, plots) on hand-made measurements (fast,
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from specdec import studies
 from specdec.cli import build_parser, main
 from specdec.config import SpecdecConfig
+from specdec.lab import live, report, study
+from specdec.lab.analysis import ROUND_FIELDS, spread
+from specdec.lab.workloads import TokenizedPrompt
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("ksweep.png", "acceptance_by_position.png", "round_time_split.png", "ideal.png")
@@ -20,8 +24,18 @@ def _png(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_the_lab_imports_without_its_optional_extra():
+    """matplotlib and tqdm (the extra `lab`) are imported only where a plot is drawn or a bar shown."""
+    code = ("import sys; sys.modules.update(matplotlib=None, tqdm=None)\n"
+            "import specdec.cli, specdec.lab.bench, specdec.lab.study, specdec.lab.tune, specdec.lab.report\n"
+            "specdec.cli.build_parser().parse_args(['study', '--quick'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+
+
 # -- the report, on hand-made measurements -------------------------------------------------------
-def _fake_request(cell: studies.Cell, prompt: dict, length: int, run: int) -> dict:
+def _fake_request(cell: study.Cell, prompt: TokenizedPrompt, length: int, run: int) -> dict:
     rounds, produced = [], 1
     while produced < length:
         k = 0 if cell.mode == "target-only" else min(cell.k, length - produced - 1)
@@ -38,7 +52,7 @@ def _fake_request(cell: studies.Cell, prompt: dict, length: int, run: int) -> di
              "accepted_tokens": sum(r["accepted"] for r in rounds), "accepted_by_position": acc_pos,
              "drafted_by_position": dr_pos, "wasted_draft_tokens": 0, "draft_fallback_rounds": 0,
              "rpc_overhead_ms_per_round": 0.5, "seed": 0, "finish_reason": "length"}
-    return {"prompt": prompt["id"], "workload": prompt["workload"], "tokens": produced,
+    return {"prompt": prompt.id, "workload": prompt.workload, "tokens": produced,
             "seconds": total / 1e3 * (1 + 0.1 * run), "stats": stats, "rounds": rounds, "cell": cell.id,
             "length": length, "run": run}
 
@@ -46,27 +60,27 @@ def _fake_request(cell: studies.Cell, prompt: dict, length: int, run: int) -> di
 def test_study_report_from_hand_made_measurements(tmp_path):
     a = build_parser().parse_args(["study", "--quick", "--ks", "1,2,4", "--k", "2", "--position-k", "4",
                                    "--lengths", "16,32", "--target-temps", "0,1", "--draft-temps", "0.6"])
-    studies.resolve_args(a)
-    variants = studies.draft_variants("/models/target", "/models/draft")
-    groups = studies.plan_cells(a, "tiny-draft", ["tiny-draft", "ngram"])
+    study.resolve_args(a)
+    variants = live.draft_variants("/models/target", "/models/draft")
+    groups = study.plan_cells(a, "tiny-draft", ["tiny-draft", "ngram"])
     assert set(groups) == {"tiny-draft", "ngram"}
     ids = {c.id for c in groups["tiny-draft"]}
     assert {"tiny-draft/target-only", "tiny-draft/pipelined/k1", "tiny-draft/sequential/k4",
             "tiny-draft/pipelined/k2/T1/dT0.6", "tiny-draft/pipelined/k4"} <= ids
     assert {c.id for c in groups["ngram"]} == {"ngram/target-only", "ngram/pipelined/k2", "ngram/sequential/k2",
                                                "ngram/sequential/k4"}
-    prompts = [{"id": "p0", "workload": "chat", "ids": [1, 2]}, {"id": "p1", "workload": "code", "ids": [3]}]
+    prompts = [TokenizedPrompt("p0", "chat", [1, 2], "p0"), TokenizedPrompt("p1", "code", [3], "p1")]
     lengths = [16, 32]
     records = [_fake_request(c, p, L, run) for cs in groups.values() for c in cs for run in range(a.runs)
                for L in lengths for p in prompts]
     memory = {n: {"rss_bytes": 2**28, "peak_rss_bytes": 2**29, "weight_bytes": 1} for n in groups}
-    res = studies.analyse(a, groups, records, lengths, prompts, "tiny-draft", variants, memory,
-                          {n: 0.0 for n in groups}, {})
-    studies.write_outputs(tmp_path, res, records)
+    res = study.analyse(a, groups, records, lengths, prompts, "tiny-draft", variants, memory,
+                        {n: 0.0 for n in groups}, {})
+    report.write_outputs(tmp_path, res, records)
     for name in PLOTS:
         assert _png(tmp_path / name), name
     doc = json.loads((tmp_path / "study.json").read_text())
-    assert len(doc["requests"]) == len(records) and doc["round_fields"] == list(studies.ROUND_FIELDS)
+    assert len(doc["requests"]) == len(records) and doc["round_fields"] == list(ROUND_FIELDS)
     cell = doc["cells"]["tiny-draft/sequential/k2"]
     assert cell["all"]["acceptance_rate"] == pytest.approx(0.5)
     assert cell["by_length"]["16"]["tok_s"]["n"] == a.runs
@@ -86,14 +100,14 @@ def test_study_report_from_hand_made_measurements(tmp_path):
 # -- end to end, real services on tiny models ----------------------------------------------------
 @pytest.mark.slow
 def test_study_end_to_end_tiny(tmp_path, monkeypatch):
-    real_variants = studies.draft_variants
+    real_variants = live.draft_variants
 
     def with_a_broken_draft(*args, **kw):  # a draft whose model is missing: skipped, the study goes on
         v = real_variants(*args, **kw)
-        v["broken"] = studies.DraftVariant("broken", "torch", str(tmp_path / "no-such-model"))
+        v["broken"] = live.DraftVariant("broken", "torch", str(tmp_path / "no-such-model"))
         return v
 
-    monkeypatch.setattr(studies, "draft_variants", with_a_broken_draft)
+    monkeypatch.setattr(live, "draft_variants", with_a_broken_draft)
     out = tmp_path / "study"
     rc = main(["study", "--tiny", "--quick", "--out", str(out), "--workloads", "code", "--prompts", "1",
                "--lengths", "5,8", "--runs", "2", "--ks", "1,2", "--k", "2", "--position-k", "2",
@@ -197,7 +211,7 @@ def test_tune_end_to_end_tiny_and_rerun_from_cache(tmp_path):
 
 # -- the tuner's decisions, from a pre-filled cache (no services: budget 0 skips what is not cached) --------
 def _tuner(tmp_path, *extra):
-    from specdec import tune
+    from specdec.lab import tune
 
     # an explicit numeric default draft temperature (the shipped default, -1, means "the target's")
     (tmp_path / "base.toml").write_text("[orchestrator]\ndefault_draft_temperature = 0.1\n")
@@ -214,7 +228,7 @@ def _fill(tuner, greedy: dict, sampled: dict) -> None:
         tuner.cache.put(tuner.key(v, mode, k, t, dt, "search"), {
             "draft": v.name if mode != "target-only" else None, "mode": mode, "k": k, "temperature": t,
             "draft_temperature": dt, "tag": "search", "tok_s": tok_s, "tok_s_runs": [tok_s],
-            "spread": studies.spread([tok_s]), "acceptance_rate": 0.5, "mean_accepted_tokens": 2.0, "seconds": 1.0})
+            "spread": spread([tok_s]), "acceptance_rate": 0.5, "mean_accepted_tokens": 2.0, "seconds": 1.0})
 
     put(tuner.default, "target-only", 0, None, None, 20.0)
     for (name, k), v in greedy.items():

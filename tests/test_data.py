@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from specdec import data
+from specdec.lab import workloads as data
 
 
 def _skip_without(package: str) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from draft_service.drafters import ModelDrafter, NgramDrafter, TorchBackend
 from draft_service.engine import DraftEngine
+from specdec.config import DraftConfig
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -28,7 +29,7 @@ def runner():
 
 def engine(runner, **kw):
     d = ModelDrafter(TorchBackend(runner), "torch", "tiny", runner.fingerprint, runner.vocab_size, runner.max_context)
-    return DraftEngine(d, **kw)
+    return DraftEngine(d, DraftConfig(**kw))
 
 
 def fresh(runner, tokens, k):
@@ -106,7 +107,7 @@ class _GatedDrafter(NgramDrafter):
 @pytest.mark.parametrize("close_at", ["before prefill", "during prefill", "after prefill"])
 def test_close_at_any_moment_releases_the_session_exactly_once(close_at):
     d = _GatedDrafter()
-    e = DraftEngine(d, max_sessions=1)
+    e = DraftEngine(d, DraftConfig(max_sessions=1))
     e.open("s", [1, 2, 3], SamplingParams(), "", 0)
     if close_at == "before prefill":
         e.close("s")

@@ -15,8 +15,8 @@ import grpc
 import pytest
 import torch
 
-from specdec import Client, models
-from specdec.data import mixed_workload
+from specdec import Client, hf_compat, models
+from specdec.lab.workloads import mixed_workload
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,7 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 def prompts(smol_tokenizer):
     out = []
     for p in mixed_workload(N_PROMPTS):
-        ids = smol_tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
-        out.append((p.id, list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+        out.append((p.id, hf_compat.chat_token_ids(smol_tokenizer, p.messages)))
     return out
 
 
@@ -122,7 +121,7 @@ def test_cli_generate_reports_invalid_argument(default_stack):
                           default_stack.address("orchestrator"), "--max-tokens", "-3"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert "INVALID_ARGUMENT" in out.stderr and "max_new_tokens" in out.stderr
+    assert "INVALID_ARGUMENT" in out.stderr and "max_tokens (--max-tokens) must be > 0" in out.stderr
 
 
 def _scrape(port: int) -> dict[str, float]:

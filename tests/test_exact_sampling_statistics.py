@@ -10,13 +10,13 @@ count < 5 pooled) must pass: over the 16^W joint cells, and token-by-token given
 (chain rule; keeps its power where the joint cells are sparse). Total variation is reported
 next to its sampling-noise level. A deliberately wrong verifier must fail the same check.
 
-Window and lengths per case (why not always max_new_tokens=3, k=2):
-- with max_new_tokens=3 the orchestrator caps k at remaining-1 = 1 in the first round and
+Window and lengths per case (why not always max_tokens=3, k=2):
+- with max_tokens=3 the orchestrator caps k at remaining-1 = 1 in the first round and
   never speculates in pipelined mode (spec_k = 0), so that setting exercises k=1 plus a
   target-only round only; it is used for one case;
-- sequential cases with max_new_tokens=4, k=2 draft two tokens in round 1 (rejection at
+- sequential cases with max_tokens=4, k=2 draft two tokens in round 1 (rejection at
   either position, draft and target rollback before round 2) inside a 3-token window;
-- pipelined cases use k=1, max_new_tokens=5 and a 4-token window: round 1 drafts 1 token
+- pipelined cases use k=1, max_tokens=5 and a 4-token window: round 1 drafts 1 token
   while the draft speculates 2 more; on a hit, round 2 verifies the speculated draft, and
   that token is the 4th one. The test asserts that hits really happened.
 
@@ -40,12 +40,14 @@ import torch
 import target_service.engine as target_engine_module
 from draft_service.drafters import ModelDrafter, TorchBackend
 from draft_service.engine import DraftEngine
-from orchestrator.engine import GenerationRequest, Mode, Orchestrator
-from orchestrator.local import LocalBackends
+from orchestrator.engine import GenerationRequest, Orchestrator
+from specdec.modes import Mode
+from local_backends import LocalBackends
 from specdec.acceptance import VerifyOutcome
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, processed_probs, sample_index
-from target_service.engine import TargetEngine, TargetLimits
+from specdec.config import DraftConfig, OrchestratorConfig, TargetConfig
+from target_service.engine import TargetEngine
 
 V = 16
 PROMPT = [3, 1, 4]
@@ -108,9 +110,9 @@ class Stack:
 
 def build_stack(runners, max_support: int = 64) -> Stack:
     t, d = runners
-    te = TargetEngine(t, TargetLimits(max_sessions=CONCURRENCY + 8))
+    te = TargetEngine(t, TargetConfig(max_sessions=CONCURRENCY + 8))
     de = DraftEngine(ModelDrafter(TorchBackend(d), "torch", "tiny", d.fingerprint, V, d.max_context),
-                     max_sessions=CONCURRENCY + 8, default_max_support=max_support)
+                     DraftConfig(max_sessions=CONCURRENCY + 8, max_support=max_support))
     backends = LocalBackends(te, de)
     return Stack(Orchestrator(backends, decode=lambda ids: ""), backends, te, de)
 
@@ -126,14 +128,14 @@ class RunStats:
 
 
 def generate_many(stack: Stack, n: int, *, sampling: SamplingParams, draft_sampling: SamplingParams,
-                  mode: Mode, k: int, max_new_tokens: int, window: int, seed0: int = 0,
+                  mode: Mode, k: int, max_tokens: int, window: int, seed0: int = 0,
                   concurrency: int = CONCURRENCY) -> tuple[list[tuple[int, ...]], RunStats]:
     """n generations (seeds seed0..seed0+n-1), `concurrency` of them in flight in one event loop;
     returns the first `window` tokens of each."""
     stats = RunStats()
 
     async def one(i: int, sem: asyncio.Semaphore) -> tuple[int, ...]:
-        req = GenerationRequest(prompt_ids=list(PROMPT), max_new_tokens=max_new_tokens, sampling=sampling,
+        req = GenerationRequest(prompt_ids=list(PROMPT), max_tokens=max_tokens, sampling=sampling,
                                 draft_sampling=draft_sampling, seed=seed0 + i, k=k, mode=mode, ignore_eos=True)
         out: list[int] = []
         async with sem:
@@ -144,7 +146,7 @@ def generate_many(stack: Stack, n: int, *, sampling: SamplingParams, draft_sampl
                     stats.drafted += ev.round.k
                     stats.accepted += ev.round.accepted
                     stats.pipeline_hits += bool(ev.round.pipeline_hit)
-        assert len(out) == max_new_tokens
+        assert len(out) == max_tokens
         return tuple(out[:window])
 
     async def main():
@@ -292,7 +294,7 @@ class Case:
     draft_sampling: SamplingParams
     mode: Mode
     k: int
-    max_new_tokens: int
+    max_tokens: int
     window: int
     n: int = N_SAMPLES
     max_support: int = 64
@@ -301,20 +303,20 @@ class Case:
 SEQ, PIPE = Mode.SEQUENTIAL, Mode.PIPELINED
 CASES = [
     # draft support capped at 4 tokens: exercises the truncated, renormalised q~
-    Case("T1/T1-pipelined-support4", SP(1.0), SP(1.0), PIPE, k=1, max_new_tokens=5, window=4, max_support=4),
-    Case("T0.6/T0.1-sequential", SP(0.6), SP(0.1), SEQ, k=2, max_new_tokens=4, window=3),
-    Case("T0.6,p0.9/T0.1,k5-pipelined", SP(0.6, top_p=0.9), SP(0.1, top_k=5), PIPE, k=1, max_new_tokens=5, window=4),
-    Case("greedy/T0.8-sequential", SP(0.0), SP(0.8), SEQ, k=2, max_new_tokens=4, window=3, n=N_GREEDY),
-    # the literal max_new_tokens=3, k=2 setting: k is capped to 1 in round 1, then the bonus
+    Case("T1/T1-pipelined-support4", SP(1.0), SP(1.0), PIPE, k=1, max_tokens=5, window=4, max_support=4),
+    Case("T0.6/T0.1-sequential", SP(0.6), SP(0.1), SEQ, k=2, max_tokens=4, window=3),
+    Case("T0.6,p0.9/T0.1,k5-pipelined", SP(0.6, top_p=0.9), SP(0.1, top_k=5), PIPE, k=1, max_tokens=5, window=4),
+    Case("greedy/T0.8-sequential", SP(0.0), SP(0.8), SEQ, k=2, max_tokens=4, window=3, n=N_GREEDY),
+    # the literal max_tokens=3, k=2 setting: k is capped to 1 in round 1, then the bonus
     # or (after a rejection) a target-only round
-    Case("T1,k8/greedy-sequential-mnt3", SP(1.0, top_k=8), SP(0.0), SEQ, k=2, max_new_tokens=3, window=3),
+    Case("T1,k8/greedy-sequential-mnt3", SP(1.0, top_k=8), SP(0.0), SEQ, k=2, max_tokens=3, window=3),
 ]
 
 
 def run_and_fit(runners, case: Case, seed0: int) -> tuple[Fit, RunStats]:
     stack = build_stack(runners, case.max_support)
     samples, stats = generate_many(stack, case.n, sampling=case.sampling, draft_sampling=case.draft_sampling,
-                                   mode=case.mode, k=case.k, max_new_tokens=case.max_new_tokens,
+                                   mode=case.mode, k=case.k, max_tokens=case.max_tokens,
                                    window=case.window, seed0=seed0)
     exact = exact_distribution(runners[0].model, case.window, case.sampling)
     fit = goodness_of_fit(samples, exact)
@@ -359,7 +361,7 @@ def resample_from_p(draft_token_ids, draft_probs, target_probs, generator):
     return VerifyOutcome(n, sample_index(target_probs[n], generator))
 
 
-NEGATIVE = Case("T1/T0.1-seq (wrong verifier)", SP(1.0), SP(0.1), SEQ, k=2, max_new_tokens=4, window=3, n=N_NEGATIVE)
+NEGATIVE = Case("T1/T0.1-seq (wrong verifier)", SP(1.0), SP(0.1), SEQ, k=2, max_tokens=4, window=3, n=N_NEGATIVE)
 
 
 @pytest.mark.slow
@@ -377,7 +379,7 @@ def test_wrong_verifier_fails_the_statistical_check(runners, monkeypatch, wrong)
 @pytest.mark.parametrize("mode", [SEQ, PIPE], ids=["sequential", "pipelined"])
 def test_same_seed_same_tokens_and_different_seeds_differ(runners, mode):
     stack = build_stack(runners)
-    kw = dict(sampling=SP(1.0), draft_sampling=SP(0.7), mode=mode, k=2, max_new_tokens=8, window=8)
+    kw = dict(sampling=SP(1.0), draft_sampling=SP(0.7), mode=mode, k=2, max_tokens=8, window=8)
     a, _ = generate_many(stack, 24, seed0=500, concurrency=24, **kw)
     b, _ = generate_many(stack, 24, seed0=500, concurrency=1, **kw)  # other interleaving, same seeds
     assert a == b

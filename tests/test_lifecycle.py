@@ -16,12 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import Client
-from specdec.launcher import Stack, free_port, local_config
-from specdec.studies import scrape_metrics
+from specdec.lab.live import scrape_metrics
+from conftest import running, tiny_config, with_metrics
+from specdec.launcher import Stack
+from specdec.modes import LABELS
 
 pytestmark = pytest.mark.slow
 
-MODES = ("target-only", "sequential", "pipelined")
+MODES = LABELS
 
 
 def gauges(stack: Stack) -> dict[str, float]:
@@ -54,19 +56,13 @@ def held(stack: Stack) -> dict[str, int]:
             for what in ("active_sessions", "kv_tokens_in_use")}
 
 
-def with_metrics(cfg):
-    for s in (cfg.target, cfg.draft, cfg.orchestrator):
-        s.metrics_port = free_port()
-    return cfg
-
-
 # -- ordinary load ---------------------------------------------------------------------------------
 
 def test_ordinary_load_leaves_no_session_behind_and_keeps_the_draft(default_stack, smol_tokenizer):
     """300 short requests from 8 clients (no faults): afterwards neither service holds a session,
     and the last requests still draft (before the fix the draft leaked one session per close
     that waited behind other sessions' work, until every request ran target-only)."""
-    from specdec.data import load_workload
+    from specdec.lab.workloads import load_workload
 
     prompts = [p.messages for p in load_workload("chat", 16, seed=3)]
     addr = default_stack.address("orchestrator")
@@ -122,19 +118,11 @@ def test_deadline_during_prefill_frees_both_services_within_1s(default_stack, mo
 @pytest.fixture(scope="module")
 def fragile_stack(tiny_models, tmp_path_factory):
     """Tiny models; the target is killed and restarted by the tests."""
-    cfg = with_metrics(local_config())
-    cfg.target.model = str(tiny_models["target"])
-    cfg.draft.engine = "torch"
-    cfg.draft.model = str(tiny_models["draft"])
-    cfg.target.cpu_cores = cfg.draft.cpu_cores = ""
+    cfg = with_metrics(tiny_config(tiny_models))
     cfg.target.kv_budget_tokens = 400
     cfg.orchestrator.rpc_timeout_s = 60  # a failure must be noticed long before this
-    stack = Stack(cfg, tmp_path_factory.mktemp("fragile")).start()
-    try:
-        stack.wait_ready(300)
+    with running(cfg, tmp_path_factory.mktemp("fragile")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def orchestrator_health(stack: Stack) -> int:
@@ -154,9 +142,7 @@ def wait_health(stack: Stack, status: int, timeout_s: float) -> bool:
 @pytest.mark.parametrize("mode", MODES)
 def test_target_killed_mid_request_gives_unavailable_within_5s(fragile_stack, mode):
     stack = fragile_stack
-    if stack.procs["target"].poll() is not None:
-        stack.start_service("target")
-        stack.wait_ready(120, ["target"])
+    stack.ensure_running("target")
     with Client(stack.address("orchestrator"), timeout=75) as c:
         stream = c.generate(token_ids=list(range(100, 120)), max_tokens=900, ignore_eos=True, mode=mode, k=4)
         with pytest.raises(grpc.RpcError) as e:
@@ -180,9 +166,7 @@ def test_target_killed_mid_request_gives_unavailable_within_5s(fragile_stack, mo
 @pytest.mark.parametrize("mode", MODES)
 def test_round_refused_for_kv_gives_resource_exhausted_within_5s(fragile_stack, mode):
     stack = fragile_stack
-    if stack.procs["target"].poll() is not None:
-        stack.start_service("target")
-        stack.wait_ready(120, ["target"])
+    stack.ensure_running("target")
     t0 = time.monotonic()
     with Client(stack.address("orchestrator"), timeout=75) as c:
         with pytest.raises(grpc.RpcError) as e:

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from orchestrator.engine import (DraftResult, GenerationRequest, Mode, Orchestrator, OrchestratorSettings,
-                                 TargetFacts, TargetOpenResult, VerifyResult)
+from orchestrator.engine import (DraftResult, GenerationRequest, Orchestrator, TargetFacts, TargetOpenResult,
+                                 VerifyResult)
+from specdec.config import OrchestratorConfig
 from specdec.errors import Unavailable
+from specdec.modes import Mode
 
 V = 50
 EOS = 0
@@ -121,11 +123,11 @@ class World:
     targets: list = field(default_factory=list)
     drafts: list = field(default_factory=list)
 
-    def new_target_session(self, sid):
+    def new_target_session(self, sid, deadline):
         self.targets.append(FakeTarget(self))
         return self.targets[-1]
 
-    def new_draft_session(self, sid):
+    def new_draft_session(self, sid, deadline):
         if not self.draft_up:
             if self.draft_comes_back_after_verifies and self.verifies >= self.draft_comes_back_after_verifies:
                 self.draft_up = True
@@ -144,7 +146,7 @@ PROMPT = [5, 9, 14, 3]
 
 def run(world: World, mode: Mode, n: int = 40, k: int = 4, **req) -> tuple[list[int], list, object]:
     orch = Orchestrator(world, decode=lambda ids: "".join(chr(97 + t % 26) for t in ids),
-                        settings=OrchestratorSettings(probe_interval_s=0.0))
+                        config=OrchestratorConfig(probe_interval_s=0.0))
 
     async def go():
         tokens, rounds, summary = [], [], None

@@ -9,28 +9,21 @@ import math
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from specdec import Client
+from conftest import running, tiny_config
 from specdec.launcher import Stack, local_config
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 
 @pytest.fixture(scope="module")
 def tiny_stack(tiny_models, tmp_path_factory):
-    cfg = local_config()
-    cfg.target.model = str(tiny_models["target"])
+    cfg = tiny_config(tiny_models)
     cfg.target.kv_budget_tokens = 400
     cfg.target.max_sessions = 4
-    cfg.draft.engine = "torch"
-    cfg.draft.model = str(tiny_models["draft"])
-    cfg.target.cpu_cores = cfg.draft.cpu_cores = ""
-    stack = Stack(cfg, tmp_path_factory.mktemp("tiny-stack")).start()
-    try:
-        stack.wait_ready(300)
+    with running(cfg, tmp_path_factory.mktemp("tiny-stack")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def _code(fn) -> tuple[grpc.StatusCode, str]:
@@ -48,8 +41,8 @@ def _ok(client: Client) -> None:
     (dict(text=""), "prompt is empty"),
     (dict(messages=[{"role": "user", "content": ""}]), "prompt is empty"),
     (dict(token_ids=[]), "prompt is empty"),
-    (dict(prompt="x", max_tokens=0), "max_new_tokens"),
-    (dict(prompt="x", max_tokens=-5), "max_new_tokens"),
+    (dict(prompt="x", max_tokens=0), "max_tokens must be > 0"),
+    (dict(prompt="x", max_tokens=-5), "max_tokens must be > 0"),
     (dict(prompt="x", max_tokens=5000), "context limit"),
     (dict(prompt="x", k=33), "k must be"),
     (dict(prompt="x", k=-1), "k must be"),
@@ -115,7 +108,15 @@ def test_kv_budget_full_is_resource_exhausted_and_others_carry_on(tiny_stack):
         _ok(c)
 
 
-def test_health_and_reflection_on_all_three(tiny_stack):
+def _reflection_call(ch: grpc.Channel, version: str):
+    """ServerReflectionInfo under grpc.reflection.<version> (v1 and v1alpha are identical on the wire)."""
+    return ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+
+
+@pytest.mark.parametrize("version", ["v1alpha", "v1"])
+def test_health_and_reflection_on_all_three(tiny_stack, version):
     expected = {"target": "specdec.v1.TargetService", "draft": "specdec.v1.DraftService",
                 "orchestrator": "specdec.v1.SpecDec"}
     for service, name in expected.items():
@@ -123,11 +124,15 @@ def test_health_and_reflection_on_all_three(tiny_stack):
             for svc in ("", name):
                 r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)
                 assert r.status == health_pb2.HealthCheckResponse.SERVING
-            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                timeout=5)
+            call = _reflection_call(ch, version)
+            replies = call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
             names = {s.name for r in replies for s in r.list_services_response.service}
-            assert {name, "grpc.health.v1.Health"} <= names
+            assert {name, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                    "grpc.reflection.v1alpha.ServerReflection"} <= names
+            # what a tool asks next: the file that defines the service, with its dependencies
+            replies = list(call(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=name)]),
+                                timeout=5))
+            assert replies[0].file_descriptor_response.file_descriptor_proto, version
 
 
 def test_server_info(tiny_stack):
@@ -138,19 +143,19 @@ def test_server_info(tiny_stack):
     assert info["draft_available"] is True
 
 
-def test_tokenizer_mismatch_is_failed_precondition(tiny_models, tmp_path):
-    cfg = local_config()
-    cfg.target.model = str(tiny_models["target"])
-    cfg.draft.engine = "torch"
+def test_a_draft_with_another_tokenizer_is_never_used_and_says_why(tiny_models, tmp_path):
+    """A draft-side problem never fails a request: requests run target-only (same output), and
+    GetInfo says why the draft is not available."""
+    cfg = tiny_config(tiny_models)
     cfg.draft.model = str(tiny_models["other-tokenizer"])
-    cfg.target.cpu_cores = cfg.draft.cpu_cores = ""
-    with Stack(cfg, tmp_path).start() as stack:
-        stack.wait_ready(300)
+    with running(cfg, tmp_path) as stack:
         with Client(stack.address("orchestrator")) as c:
-            code, details = _code(lambda: c.complete("hello", max_tokens=4, mode="pipelined"))
-            assert code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "tokenizer" in details
-            assert len(c.complete("hello", max_tokens=4, ignore_eos=True, mode="target-only").token_ids) == 4
+            spec = c.complete("hello", max_tokens=4, ignore_eos=True, mode="pipelined")
+            base = c.complete("hello", max_tokens=4, ignore_eos=True, mode="target-only")
+            info = c.info()
+    assert spec.token_ids == base.token_ids and spec.stats["draft_tokens"] == 0
+    assert info["draft_available"] is False
+    assert "tokenizer" in info["draft_problem"]
 
 
 def test_target_down_is_unavailable_and_orchestrator_recovers(tiny_models, tmp_path):
@@ -173,7 +178,7 @@ def test_target_down_is_unavailable_and_orchestrator_recovers(tiny_models, tmp_p
 def test_raw_proto_unknown_mode(tiny_stack):
     with grpc.insecure_channel(tiny_stack.address("orchestrator")) as ch:
         stub = specdec_pb2_grpc.SpecDecStub(ch)
-        req = specdec_pb2.GenerateRequest(text="hi", max_new_tokens=3, mode=42)
+        req = specdec_pb2.GenerateRequest(text="hi", max_tokens=3, mode=42)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

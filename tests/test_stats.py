@@ -1,5 +1,5 @@
 """Statistics arithmetic on hand-made round logs: specdec/stats.py (per-round records, the request
-summary) and the study's ideal bound and time split (specdec/studies.py). Pure functions, no models."""
+summary) and the lab's ideal bound and time split (specdec/lab/analysis.py). Pure functions, no models."""
 from __future__ import annotations
 
 import math
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from specdec.stats import RoundRecord, position_counts, summarize
-from specdec.studies import (aggregate, expected_tokens_per_round, full_requests, ideal_bound, ideal_tok_s,
-                             loss_breakdown, prefix_record, round_time_split, spread)
+from specdec.lab.analysis import (aggregate, expected_tokens_per_round, full_requests, ideal_bound, ideal_tok_s,
+                                  loss_breakdown, prefix_record, round_time_split, spread)
 
 
 def hand_rounds() -> list[RoundRecord]:
@@ -108,7 +108,7 @@ def _request(rounds: list[dict], ttft_ms: float, total_ms: float, run: int = 0, 
 PIPELINED = [  # a miss (first round), a hit (round 1 accepted all and kept its spec), a miss after a rejection
     {"k": 4, "accepted": 4, "draft_ms": 8.0, "verify_ms": 20.0, "overlap_ms": 6.0, "rpc_ms": 1.0, "round_ms": 30.0},
     {"k": 4, "accepted": 2, "draft_ms": 9.0, "verify_ms": 20.0, "overlap_ms": 7.0, "rpc_ms": 1.0, "round_ms": 25.0,
-     "wasted_draft_tokens": 5},
+     "wasted_draft_tokens": 5, "pipeline_hit": True},
     {"k": 4, "accepted": 0, "draft_ms": 8.0, "verify_ms": 20.0, "overlap_ms": 7.0, "rpc_ms": 2.0, "round_ms": 32.0,
      "wasted_draft_tokens": 5},
 ]
@@ -129,6 +129,27 @@ def test_round_time_split_pipelined_by_hand():
     slow = round_time_split([req], "pipelined", draft_ms_per_token=5.0)
     assert slow["wasted_tail_ms"] == pytest.approx(((25 - 21) + (25 - 22)) / 3)
     assert s["wasted_draft_tokens_per_round"] == pytest.approx(10 / 3)
+
+
+def test_round_time_split_counts_hits_from_the_recorded_field():
+    """A fully accepted round whose speculative proposal came back empty (the n-gram drafter often
+    proposes nothing) wastes no tokens, yet the next round has no drafts ready and redrafts: a miss.
+    Only the round's own `pipeline_hit` says whether its drafts came from the speculation."""
+    rounds = [
+        {"k": 4, "accepted": 4, "draft_ms": 8.0, "verify_ms": 20.0, "overlap_ms": 0.0, "round_ms": 30.0},
+        # the speculation after round 0 was empty: nothing wasted, but round 1 redrafted (a miss)
+        {"k": 4, "accepted": 4, "draft_ms": 9.0, "verify_ms": 20.0, "overlap_ms": 6.0, "round_ms": 30.0,
+         "pipeline_hit": False},
+        # round 1's speculation was kept: round 2 reused it (a hit, exposing 10 - 6 ms)
+        {"k": 4, "accepted": 1, "draft_ms": 10.0, "verify_ms": 20.0, "overlap_ms": 7.0, "round_ms": 25.0,
+         "wasted_draft_tokens": 5, "pipeline_hit": True},
+        {"k": 4, "accepted": 0, "draft_ms": 8.0, "verify_ms": 20.0, "overlap_ms": 7.0, "round_ms": 32.0,
+         "wasted_draft_tokens": 5, "pipeline_hit": False},
+    ]
+    s = round_time_split([_request(rounds, ttft_ms=10.0, total_ms=130.0)], "pipelined")
+    assert (s["drafting_rounds"], s["hits"], s["misses"]) == (4, 1, 3)
+    assert s["miss_draft_ms"] == pytest.approx((8.0 + 9.0 + 8.0) / 4)
+    assert s["hit_draft_ms"] == pytest.approx((10.0 - 6.0) / 4)
 
 
 def test_round_time_split_sequential_puts_all_draft_on_the_critical_path():

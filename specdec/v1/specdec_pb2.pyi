@@ -40,11 +40,11 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "max_new_tokens", "sampling", "draft_sampling", "seed", "stop", "ignore_eos", "k", "mode")
+    __slots__ = ("text", "chat", "token_ids", "max_tokens", "sampling", "draft_sampling", "seed", "stop", "ignore_eos", "k", "mode")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -55,7 +55,7 @@ class GenerateRequest(_message.Message):
     text: str
     chat: ChatPrompt
     token_ids: TokenIds
-    max_new_tokens: int
+    max_tokens: int
     sampling: _common_pb2.SamplingParams
     draft_sampling: _common_pb2.SamplingParams
     seed: int
@@ -63,7 +63,7 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     k: int
     mode: Mode
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("round", "k", "accepted", "draft_ms", "verify_ms", "overlap_ms", "wasted_draft_tokens", "rpc_ms", "draft_available", "wire_bytes", "round_ms", "pipeline_hit", "spec_wait_ms")
@@ -164,17 +164,19 @@ class GenerateChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[RoundStats, _Mapping]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("target", "draft", "draft_available", "default_k", "max_k", "default_mode")
+    __slots__ = ("target", "draft", "draft_available", "default_k", "max_k", "default_mode", "draft_problem")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_K_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     target: _common_pb2.ModelInfo
     draft: _common_pb2.ModelInfo
     draft_available: bool
     default_k: int
     max_k: int
     default_mode: Mode
-    def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft_available: _Optional[bool] = ..., default_k: _Optional[int] = ..., max_k: _Optional[int] = ..., default_mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    draft_problem: str
+    def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft_available: _Optional[bool] = ..., default_k: _Optional[int] = ..., max_k: _Optional[int] = ..., default_mode: _Optional[_Union[Mode, str]] = ..., draft_problem: _Optional[str] = ...) -> None: ...

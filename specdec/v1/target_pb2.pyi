@@ -57,10 +57,18 @@ class TargetRequest(_message.Message):
     verify: TargetVerify
     def __init__(self, open: _Optional[_Union[TargetOpen, _Mapping]] = ..., verify: _Optional[_Union[TargetVerify, _Mapping]] = ...) -> None: ...
 
+class RoundRefused(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
 class TargetResponse(_message.Message):
-    __slots__ = ("opened", "verified")
+    __slots__ = ("opened", "verified", "refused")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     opened: TargetOpened
     verified: TargetVerified
-    def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ...) -> None: ...
+    refused: RoundRefused
+    def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ..., refused: _Optional[_Union[RoundRefused, _Mapping]] = ...) -> None: ...

@@ -1,6 +1,6 @@
-"""In-process backends: the orchestrator engine over the target and draft engines, no network.
+"""In-process backends for tests: the orchestrator engine over the target and draft engines, no network.
 
-Used by tests and benchmarks that exercise the real speculative path without gRPC.
+Used by tests that exercise the real speculative path without gRPC.
 Engine calls run in worker threads, one per engine, so that drafting and verifying
 overlap as they do across processes.
 """
@@ -66,10 +66,10 @@ class LocalBackends:
         self._dpool = ThreadPoolExecutor(1, thread_name_prefix="draft")
         self.draft_failures = 0
 
-    def new_target_session(self, sid):
+    def new_target_session(self, sid, deadline=None):
         return LocalTargetSession(self.target_engine, self._tpool, sid)
 
-    def new_draft_session(self, sid):
+    def new_draft_session(self, sid, deadline=None):
         return LocalDraftSession(self.draft_engine, self._dpool, sid) if self.draft_engine else None
 
     def draft_failed(self, error):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from specdec import models
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_llamacpp_peer.sh"
 LLAMACPP_BINARIES = ("llama-speculative", "llama-speculative-simple", "llama-quantize")
 

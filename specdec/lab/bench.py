@@ -23,17 +23,20 @@ Systems:
 """
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.studies import spread
+from specdec.devices import parse_int_ranges
+from specdec.lab.analysis import aggregate_summaries, spread
+from specdec.lab.live import base_config, start_stack
+from specdec.lab.report import compare_markdown
+from specdec.lab.workloads import TokenizedPrompt, default_prompts
+from specdec.modes import Mode
 
-OURS = ("target-only", "sequential", "pipelined")
+OURS = (Mode.TARGET_ONLY.label, Mode.SEQUENTIAL.label, Mode.PIPELINED.label)
 PEERS = ("hf-generate", "hf-assisted", "llamacpp-spec")
 
 
@@ -51,23 +54,6 @@ class SystemRun:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def load_prompts(tokenizer, workloads: list[str], per_workload: int, seed: int = 0) -> list[dict]:
-    from specdec.data import load_workload
-
-    out = []
-    for w in workloads:
-        for p in load_workload(w, per_workload, seed=seed):
-            ids = chat_prompt_ids(tokenizer, p.messages)
-            text = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
-            out.append({"id": p.id, "workload": w, "ids": ids, "text": text})
-    return out
-
-
 class OurSystem:
     """Our modes through a running orchestrator."""
 
@@ -76,37 +62,17 @@ class OurSystem:
 
         self.client = Client(address)
 
-    def run(self, mode: str, prompts: list[dict], max_tokens: int, k: int, **sampling) -> tuple[int, float, dict]:
+    def run(self, mode: str, prompts: list[TokenizedPrompt], max_tokens: int, k: int,
+            **sampling) -> tuple[int, float, dict]:
         tokens, summaries = 0, []
         t0 = time.perf_counter()
         for p in prompts:
-            res = self.client.complete(token_ids=p["ids"], max_tokens=max_tokens, ignore_eos=True, mode=mode, k=k,
+            res = self.client.complete(token_ids=p.ids, max_tokens=max_tokens, ignore_eos=True, mode=mode, k=k,
                                        **sampling)
             tokens += len(res.token_ids)
             summaries.append(res.stats)
         seconds = time.perf_counter() - t0
         return tokens, seconds, aggregate_summaries(summaries)
-
-
-def aggregate_summaries(summaries: list[dict]) -> dict:
-    def tot(key):
-        return sum(float(s.get(key, 0)) for s in summaries)
-
-    rounds = tot("rounds")
-    drafted = tot("draft_tokens")
-    return {
-        "acceptance_rate": tot("accepted_tokens") / drafted if drafted else 0.0,
-        "mean_accepted_length": 1 + tot("accepted_tokens") / rounds if rounds else 1.0,
-        "ttft_ms_median": statistics.median(float(s.get("ttft_ms", 0)) for s in summaries),
-        "tpot_ms_median": statistics.median(float(s.get("tpot_ms", 0)) for s in summaries),
-        "rpc_overhead_ms_per_round": tot("rpc_overhead_ms_per_round") / len(summaries),
-        "draft_ms_per_round": tot("draft_ms_total") / rounds if rounds else 0.0,
-        "verify_ms_per_round": tot("verify_ms_total") / rounds if rounds else 0.0,
-        "overlap_ms_per_round": tot("overlap_ms_total") / rounds if rounds else 0.0,
-        "wasted_draft_tokens": tot("wasted_draft_tokens"),
-        "rounds": rounds,
-        "wire_bytes_per_round": tot("mean_wire_bytes_per_round") / len(summaries),
-    }
 
 
 class Peers:
@@ -124,20 +90,21 @@ class Peers:
         self._src = src
         torch.set_num_threads(threads)
 
-    def run(self, system: str, prompts: list[dict], max_tokens: int) -> tuple[int, float, dict]:
-        from specdec import models, peers
+    def run(self, system: str, prompts: list[TokenizedPrompt], max_tokens: int) -> tuple[int, float, dict]:
+        from specdec import models
+        from specdec.lab import peers
 
         tokens, t0, extra = 0, time.perf_counter(), {}
         for p in prompts:
             if system == "hf-generate":
-                r = peers.hf_generate(self.model, p["ids"], max_tokens, threads=self.threads, measure_prefill=False)
+                r = peers.hf_generate(self.model, p.ids, max_tokens, threads=self.threads, measure_prefill=False)
             elif system == "hf-assisted":
                 if self.assistant is None:
                     self.assistant = models.load_model(self._src, "bfloat16")
-                r = peers.hf_assisted_generate(self.model, self.assistant, p["ids"], max_tokens, 4,
+                r = peers.hf_assisted_generate(self.model, self.assistant, p.ids, max_tokens, 4,
                                                threads=self.threads, measure_prefill=False)
             else:
-                r = peers.llamacpp_speculative(p["text"], max_tokens, draft_max=4, threads=self.threads)
+                r = peers.llamacpp_speculative(p.text, max_tokens, draft_max=4, threads=self.threads)
                 extra.setdefault("acceptance", []).append(r.extra.get("accept_rate"))
                 extra.setdefault("decode_tokens_per_s", []).append(r.extra.get("decode_tokens_per_s"))
             tokens += r.n_new
@@ -146,7 +113,7 @@ class Peers:
 
 def llamacpp_available() -> bool:
     try:
-        from specdec import peers
+        from specdec.lab import peers
 
         peers.ensure_llamacpp_built()
         return True
@@ -154,27 +121,14 @@ def llamacpp_available() -> bool:
         return False
 
 
-def start_stack(cfg, log_dir: Path):
-    from specdec.launcher import Stack, local_config
-
-    stack = Stack(local_config(cfg), log_dir).start()
-    stack.wait_ready(900)
-    return stack
-
-
 def run_compare(a) -> dict:
     from tqdm import tqdm
-
-    from specdec import models
-    from specdec.devices import parse_int_ranges
-    from specdec.studies import base_config
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, _ = base_config(a, out)
     lengths = parse_int_ranges(a.max_tokens)
-    tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))
-    prompts = load_prompts(tok, a.workloads.split(","), a.prompts, seed=a.seed)
+    prompts = default_prompts(a.workloads, a.prompts, a.seed)
     systems = [s for s in a.systems.split(",") if s]
     unknown = [s for s in systems if s not in OURS + PEERS]
     if unknown:
@@ -243,49 +197,6 @@ def summarize_compare(runs: list[SystemRun], systems: list[str], lengths: list[i
     return {"command": " ".join(["specdec", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "specdec bench",
             "settings": {"runs": a.runs, "lengths": lengths, "k": a.k, "workloads": a.workloads, "tiny": a.tiny,
                          "prompts_per_workload": a.prompts, "peer_threads": a.peer_threads},
-            "prompts": [p["id"] for p in prompts],
+            "prompts": [p.id for p in prompts],
             "by_length": {str(L): summarize_length([r for r in runs if r.length == L], systems) for L in lengths},
             "runs": [asdict(r) | {"tok_s": r.tok_s} for r in runs]}
-
-
-def compare_markdown(result: dict) -> str:
-    lines = [f"Command: `{result['command']}`", ""]
-    for length, res in result["by_length"].items():
-        lines += [f"### {length} new tokens", "",
-                  "| system | tok/s median | min | max | spread % | acceptance | TTFT ms (median) | RPC ms/round |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for s, row in res["systems"].items():
-            t, e = row["tok_s"], row["extra"]
-            acc = e.get("acceptance_rate")
-            if acc is None and e.get("acceptance"):
-                vals = [x for x in e["acceptance"] if x is not None]
-                acc = sum(vals) / len(vals) if vals else None
-            ours = "ttft_ms_median" in e
-            lines.append(f"| {s} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {t['spread_pct']:.0f} | "
-                         f"{'' if acc is None or (ours and s == 'target-only') else f'{acc:.3f}'} | "
-                         + (f"{e['ttft_ms_median']:.0f} | {e['rpc_overhead_ms_per_round']:.2f} |" if ours else " | |"))
-        lines += ["", "| ratio (per run, side by side) | median | min | max |", "|---|---|---|---|"]
-        for name, r in res["ratios"].items():
-            lines.append(f"| {name} | {r['median']:.2f}× | {r['min']:.2f}× | {r['max']:.2f}× |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def add_parsers(sub) -> None:
-    b = sub.add_parser("bench", help="benchmark our modes against the peers, side by side")
-    from specdec import studies, tune
-
-    studies.add_common_args(b)  # --config, --tiny, --workloads, --seed, --no-progress
-    b.set_defaults(workloads="chat,code")
-    b.add_argument("--address", help="use a running orchestrator instead of starting one")
-    b.add_argument("--prompts", type=int, default=2, help="prompts per workload")
-    b.add_argument("--max-tokens", default="128,256", help="output lengths, one table each (e.g. 128 or 128,256)")
-    b.add_argument("--runs", type=int, default=3)
-    b.add_argument("--k", type=int, default=8)
-    b.add_argument("--systems", default=",".join(OURS + PEERS))
-    b.add_argument("--peer-threads", type=int, default=2)
-    b.add_argument("--out", default="bench-results")
-    b.set_defaults(fn=lambda a: run_compare(a) and 0)
-    # the studies and the tuner (specdec/studies.py, specdec/tune.py)
-    studies.add_parser(sub)
-    tune.add_parser(sub)

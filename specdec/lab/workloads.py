@@ -33,6 +33,9 @@ summarization 282, math 119, code 164.
 For the other workloads, asking for more prompts than the pool holds raises ValueError.
 Selection is `random.Random(seed).sample` over the pool in file order, so it is a pure
 function of (workload, n, seed) and of the shipped files.
+
+`load_prompts` / `default_prompts` render the chosen prompts with a tokenizer's chat template
+into `TokenizedPrompt`s: what the bench, the study and the tuner send.
 """
 from __future__ import annotations
 
@@ -64,13 +67,24 @@ class Prompt:
 
     def render(self, tokenizer) -> str:
         """The chat-templated prompt text, ending with the assistant header."""
-        return tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        from specdec.hf_compat import chat_text
+
+        return chat_text(tokenizer, self.messages)
 
     def token_ids(self, tokenizer) -> list[int]:
-        ids = tokenizer.apply_chat_template(self.messages, tokenize=True, add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        from specdec.hf_compat import chat_token_ids
+
+        return [int(t) for t in chat_token_ids(tokenizer, self.messages)]
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A workload prompt rendered with the target's chat template: what a measurement sends."""
+
+    id: str
+    workload: str
+    ids: list[int] = field(hash=False)  # the chat-templated prompt's token ids (sent as token_ids)
+    text: str  # the same prompt as text (for peers that take text, such as llama.cpp)
 
 
 def _package_file(package: str, *parts: str) -> Path:
@@ -287,3 +301,17 @@ def mixed_workload(n: int, seed: int = 0) -> list[Prompt]:
         if i < len(code):
             out.append(code[i])
     return out
+
+
+def load_prompts(tokenizer, workloads: list[str], per_workload: int, seed: int = 0) -> list[TokenizedPrompt]:
+    """`per_workload` prompts of each workload (`load_workload`), rendered with `tokenizer`'s chat template."""
+    return [TokenizedPrompt(p.id, w, p.token_ids(tokenizer), p.render(tokenizer))
+            for w in workloads for p in load_workload(w, per_workload, seed=seed)]
+
+
+def default_prompts(workloads: str, per_workload: int, seed: int = 0) -> list[TokenizedPrompt]:
+    """`load_prompts` for a comma list of workloads, with the default target's tokenizer."""
+    from specdec import models
+
+    tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))
+    return load_prompts(tok, [w for w in workloads.split(",") if w], per_workload, seed=seed)

@@ -6,7 +6,7 @@
 
 Every measurement goes through our real services (started by this command on free loopback
 ports, `specdec up` layout) on the same prompts (`--workloads`, `--prompts` per workload, from
-specdec.bench.load_prompts), `--max-tokens` tokens each (EOS ignored), `--runs` runs; its value
+specdec.lab.workloads), `--max-tokens` tokens each (EOS ignored), `--runs` runs; its value
 is the median over runs of tok/s (tokens / wall time, seen by the client). Each measurement is
 stored in `<out>/tune-cache.json` under its setting and protocol, so a rerun (or a larger
 budget) reuses it and only measures what is missing; `--fresh` ignores the cache.
@@ -29,20 +29,22 @@ Outputs in `--out`: tuned.toml (`SpecdecConfig.to_toml()` of `--config` with
 orchestrator.default_k, orchestrator.default_draft_temperature and draft.engine/model/dtype
 set to what was found), tune.md / printed table (setting, value, default, why; the gain over
 target-only), tune.json (every measurement and decision), tune-cache.json, logs/.
-`--tiny` runs on tiny random models (see specdec/studies.py), for tests.
+`--tiny` runs on tiny random models (see specdec/lab/study.py), for tests.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from specdec import studies
-from specdec.studies import DraftVariant, LiveStack, spread
+from specdec.devices import parse_int_ranges
+from specdec.lab.analysis import aggregate
+from specdec.lab.live import DraftVariant, LiveStack, base_config, parse_floats, request_seed, variant_of
+from specdec.lab.report import fmt_gain, fmt_opt, short_model, tune_markdown
+from specdec.lab.workloads import default_prompts
+from specdec.modes import Mode
 
 CACHE_VERSION = 1
 
@@ -71,14 +73,14 @@ class Tuner:
         self.a = a
         self.out = out
         self.t0 = time.monotonic()
-        self.cfg, self.variants = studies.base_config(a, out)
-        self.default = studies.variant_of(self.cfg.draft, self.variants)
+        self.cfg, self.variants = base_config(a, out)
+        self.default = variant_of(self.cfg.draft, self.variants)
         self.variants.setdefault(self.default.name, self.default)
         self.default_k = self.cfg.orchestrator.default_k
         # a negative default means "the target's own temperature": the sampled requests' one here
         dt = self.cfg.orchestrator.default_draft_temperature
         self.default_dt = dt if dt >= 0 else a.temperature
-        self.prompts = studies.load_study_prompts(a)
+        self.prompts = default_prompts(a.workloads, a.prompts, a.seed)
         self.cache = Cache(out / "tune-cache.json", a.fresh)
         self.live: LiveStack | None = None
         self.log: list[dict] = []
@@ -150,36 +152,27 @@ class Tuner:
             if swapped:
                 self.swap_cost = swapped
                 self.live.warm_up(self.prompts[0], ("pipelined",), max(1, todo[0][3]))
-        acc = {i: {"runs": [], "accepted": 0, "drafted": 0, "drafting": 0, "seconds": 0.0, "fallback": 0}
-               for i, *_ in todo}
+        records: dict[int, list[dict]] = {i: [] for i, *_ in todo}  # the requests of each setting
         for run in range(self.a.runs):
             order = todo[run % len(todo):] + todo[: run % len(todo)]
             for i, _, mode, k, t, dt in order:
-                tokens, seconds = 0, 0.0
                 for j, p in enumerate(self.prompts):
-                    seed = studies.request_seed(self.a.seed, j, run) if t is not None else None
+                    seed = request_seed(self.a.seed, j, run) if t is not None else None
                     rec = self.live.request(p, self.a.max_tokens, mode, max(1, k), t, dt, seed)
-                    tokens += rec["tokens"]
-                    seconds += rec["seconds"]
-                    acc[i]["fallback"] += int(rec["stats"].get("draft_fallback_rounds") or 0) if mode != "target-only" \
-                        else 0
-                    for r in rec["rounds"]:
-                        acc[i]["accepted"] += r["accepted"]
-                        acc[i]["drafted"] += r["k"]
-                        acc[i]["drafting"] += r["k"] > 0
-                acc[i]["runs"].append(tokens / seconds if seconds else 0.0)
-                acc[i]["seconds"] += seconds
+                    records[i].append(dict(rec, run=run))
         for i, key, mode, k, t, dt in todo:
-            a = acc[i]
-            value = {"draft": variant.name if mode != "target-only" else None, "mode": mode,
-                     "k": k if mode != "target-only" else 0, "temperature": t,
-                     "draft_temperature": dt if mode != "target-only" else None, "tag": tag,
-                     "tok_s": statistics.median(a["runs"]), "tok_s_runs": a["runs"], "spread": spread(a["runs"]),
-                     "acceptance_rate": a["accepted"] / a["drafted"] if a["drafted"] else 0.0,
-                     "mean_accepted_tokens": 1 + a["accepted"] / a["drafting"] if a["drafting"] else 1.0,
-                     "seconds": a["seconds"], "draft_fallback_rounds": a["fallback"], "measured_at": time.time()}
-            if a["fallback"]:
-                print(f"  warning: {self._label(variant, mode, k, t, dt, tag)} ran {a['fallback']} rounds without "
+            agg = aggregate(records[i], mode, k)
+            target_only = mode == Mode.TARGET_ONLY.label
+            fallback = 0 if target_only else agg["draft_fallback_rounds"]
+            value = {"draft": None if target_only else variant.name, "mode": mode,
+                     "k": 0 if target_only else k, "temperature": t,
+                     "draft_temperature": None if target_only else dt, "tag": tag,
+                     "tok_s": agg["tok_s"]["median"], "tok_s_runs": agg["tok_s_runs"], "spread": agg["tok_s"],
+                     "acceptance_rate": agg["acceptance_rate"], "mean_accepted_tokens": agg["mean_accepted_tokens"],
+                     "seconds": sum(r["seconds"] for r in records[i]), "draft_fallback_rounds": fallback,
+                     "measured_at": time.time()}
+            if fallback:
+                print(f"  warning: {self._label(variant, mode, k, t, dt, tag)} ran {fallback} rounds without "
                       f"the draft (it was unavailable)", file=sys.stderr)
             self.cache.put(key, value)
             self._note(variant, mode, value)
@@ -194,8 +187,8 @@ class Tuner:
     @staticmethod
     def _label(variant, mode, k, t, dt, tag) -> str:
         if mode == "target-only":
-            return f"target-only T={_opt(t) or 0} [{tag}]"
-        return f"{variant.name} {mode} k={k} T={_opt(t) or 0} draft T={_opt(dt) or '-'} [{tag}]"
+            return f"target-only T={fmt_opt(t) or 0} [{tag}]"
+        return f"{variant.name} {mode} k={k} T={fmt_opt(t) or 0} draft T={fmt_opt(dt) or '-'} [{tag}]"
 
     def _note(self, variant, mode, value) -> None:
         self.rates["target-only" if mode == "target-only" else variant.name] = value["tok_s"]
@@ -206,8 +199,8 @@ class Tuner:
         budget = a.budget_s
         temp = a.temperature
         drafts = [self.variants[n] for n in self._draft_names()]
-        ks = sorted({k for k in studies.parse_ints(a.ks) if 1 <= k <= self.cfg.orchestrator.max_k})
-        dts = sorted(set(studies.parse_floats(a.draft_temps)) | {self.default_dt})
+        ks = sorted({k for k in parse_int_ranges(a.ks) if 1 <= k <= self.cfg.orchestrator.max_k})
+        dts = sorted(set(parse_floats(a.draft_temps)) | {self.default_dt})
         default, dk, ddt = self.default, self.default_k, self.default_dt
         try:
             # 1. baselines
@@ -304,13 +297,13 @@ class Tuner:
         change_dk = (best_v, best_k) != (d_v, d_k) and pct > a.min_gain_pct
         rec_v, rec_k = (best_v, best_k) if change_dk else (d_v, d_k)
         if change_dk:
-            why = (f"greedy pipelined {_x(g_best)} target-only vs {_x(g_def)} with the defaults ({pct:+.1f}%, "
-                   f"{src_best}); acceptance {self._acc(best_v, best_k, None)}")
+            why = (f"greedy pipelined {fmt_gain(g_best)} target-only vs {fmt_gain(g_def)} with the defaults "
+                   f"({pct:+.1f}%, {src_best}); acceptance {self._acc(best_v, best_k, None)}")
         elif (best_v, best_k) == (d_v, d_k):
-            why = f"the default was the fastest measured (greedy pipelined {_x(g_def)} target-only, {src_def})"
+            why = f"the default was the fastest measured (greedy pipelined {fmt_gain(g_def)} target-only, {src_def})"
         else:
             why = (f"best measured, {best_v.name} k={best_k}, is {pct:+.1f}% over the defaults "
-                   f"({_x(g_best)} vs {_x(g_def)} target-only; < {a.min_gain_pct:g}%: within noise)")
+                   f"({fmt_gain(g_best)} vs {fmt_gain(g_def)} target-only; < {a.min_gain_pct:g}%: within noise)")
         rows = [{"setting": "draft (engine / model / dtype)", "value": _vdesc(rec_v), "default": _vdesc(d_v),
                  "changed": rec_v != d_v, "why": why},
                 {"setting": "orchestrator.default_k", "value": rec_k, "default": d_k, "changed": rec_k != d_k,
@@ -394,71 +387,10 @@ def _slabel(mode: str, k: int, t: float | None, dt: float | None) -> str:
 def _vdesc(v: DraftVariant) -> str:
     if v.engine == "ngram":
         return "ngram"
-    model = v.model if len(v.model) < 40 else "…" + v.model[-36:]
-    return f"{v.engine} / {model}" + (f" / {v.dtype}" if v.engine == "torch" else "")
-
-
-def _x(v) -> str:
-    return f"{v:.2f}×" if v else "n/a"
-
-
-def tune_markdown(res: dict) -> str:
-    s = res["settings"]
-    L = ["# specdec tune", "", f"Command: `{res['command']}` ({res['elapsed_s']:.0f}s of a {s['budget_s']:g}s budget; "
-         f"{len(res['measurements'])} measurements, {sum(1 for m in res['measurements'] if m.get('cached'))} from the "
-         f"cache, {len(res['skipped_for_budget'])} skipped for the budget)", "",
-         "| setting | value | default | why |", "|---|---|---|---|"]
-    for r in res["recommendation"]:
-        L.append(f"| {r['setting']} | {r['value']} | {r['default']} | {r['why']} |")
-    g = res["gain_over_target_only"]
-    L += ["", f"Gain over target-only (measured in this run, {s['max_tokens']} tokens, {s['workloads']}): "
-              f"greedy {_x(g['greedy']['tuned'])} tuned vs {_x(g['greedy']['defaults'])} defaults; "
-              f"sampled (T={s['temperature']:g}) {_x(g['sampled']['tuned'])} tuned vs "
-              f"{_x(g['sampled']['defaults'])} defaults.", ""]
-    for name, err in res.get("unavailable_drafts", {}).items():
-        L += [f"Draft {name} could not be loaded here and was left out: `{err.splitlines()[0][:200]}`", ""]
-    if res["skipped_for_budget"]:
-        L += [f"Skipped for the budget ({len(res['skipped_for_budget'])}): "
-              + "; ".join(res["skipped_for_budget"][:12]) + ("…" if len(res["skipped_for_budget"]) > 12 else ""), ""]
-    if res["defaults_best"]:
-        L.append("The defaults are best: no setting beat them by more than "
-                 f"{s['min_gain_pct']:g}% here; {res['config']} repeats them.")
-    else:
-        L.append(f"Serve with: `specdec up --config {res['config']}`")
-    L += ["", "| draft | mode | k | T | draft T | tok/s (median) | spread % | acceptance | tag | cached |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
-    for m in res["measurements"]:
-        L.append(f"| {m['draft'] or '-'} | {m['mode']} | {m['k'] or ''} | {_opt(m['temperature'])} | "
-                 f"{_opt(m['draft_temperature'])} | {m['tok_s']:.1f} | {m['spread']['spread_pct']:.0f} | "
-                 f"{m['acceptance_rate']:.2f} | {m['tag']} | {'yes' if m.get('cached') else ''} |")
-    return "\n".join(L) + "\n"
-
-
-def _opt(v) -> str:
-    return "" if v is None else f"{v:g}"
+    return f"{v.engine} / {short_model(v.model)}" + (f" / {v.dtype}" if v.engine == "torch" else "")
 
 
 def run_tune(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     return Tuner(a, out).run()
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="search k, draft temperature and draft within a time budget; writes a config",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    studies.add_common_args(p)
-    p.set_defaults(workloads="chat,code")
-    p.add_argument("--out", default="tune-results")
-    p.add_argument("--budget-s", type=float, default=900.0)
-    p.add_argument("--prompts", type=int, default=1, help="prompts per workload")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--ks", default="1,2,3,4,5,6,8,10,12,16")
-    p.add_argument("--draft-temps", default="0,0.1,0.3,0.6,0.8,1.0")
-    p.add_argument("--temperature", type=float, default=0.7, help="target temperature of the sampled requests")
-    p.add_argument("--drafts", help="comma list of drafts to try (default: all loadable here)")
-    p.add_argument("--min-gain-pct", type=float, default=3.0, help="smaller gains keep the default")
-    p.add_argument("--fresh", action="store_true", help="ignore the cache of earlier measurements")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(fn=lambda a: 0 if run_tune(a) else 1)
