@@ -1,17 +1,33 @@
-"""The draft engine: sessions over one drafter (torch, llama.cpp or n-gram). No network."""
+"""The draft engines. No network.
+
+- `DraftEngine`: draft sessions in a fixed KV pool over a batched runner (llama.cpp with one
+  sequence per session, or the torch runners); one model thread runs the draft steps of all
+  sessions that are drafting as one forward per step.
+- `NgramDraftEngine`: no model; prompt lookup (copies what followed the last matching n-gram).
+
+Both answer the same calls: `open` (admission), `prefill`, `propose`, `close`. A session
+holds the tokens the orchestrator says it holds; `propose(keep, append, k)` keeps the first
+`keep`, appends `append`, then drafts k tokens, each sampled from exactly the sparse q~
+returned with it.
+"""
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from draft_service.drafters import Drafter, DraftSequence, SparseDist
+import torch
+
 from specdec.config import DraftConfig
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from specdec.sampling import SamplingParams, make_generator
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
+from specdec.sampling import SamplingParams, draft_token, make_generator
+from specdec.serving.batch import BatchRunner, ModelFacts
+from specdec.serving.engine import PooledEngine
+from specdec.serving.jobs import Job
 
 MAX_K = 64
+LONG_FEED = 64  # a propose that must first feed more tokens than this (after a fallback) is chunked like a prompt
+SparseDist = tuple[list[int], list[float]]
 
 
 @dataclass
@@ -23,25 +39,145 @@ class Proposal:
 
 @dataclass
 class _Session:
-    prompt_ids: list[int]
+    seq: int
+    tokens: list[int]  # what the draft holds (the orchestrator's view of it)
     sampling: SamplingParams
     max_support: int
-    seq: DraftSequence | None = None  # the drafter's state, made by `prefill`
-    lock: threading.Lock = field(default_factory=threading.Lock)  # held by the job in flight
-    closed: bool = False
+    reserved: int  # tokens reserved in the pool: the most it may hold
+    cached: int = 0  # tokens[:cached] are in the cache
+    last_logits: torch.Tensor | None = None  # [V] the prediction after tokens[:cached], when known
 
 
-class DraftEngine:
-    """Draft sessions over one drafter. `close` is synchronous and safe at any moment: a session
-    closed while a job of its own runs is released by whichever of the two finishes last."""
+def check_open(facts: ModelFacts, prompt_ids: list[int], sampling: SamplingParams, target_fingerprint: str,
+               target_vocab_size: int, max_support: int) -> None:
+    """What every draft engine checks before admitting a session."""
+    sampling.validate("draft_")
+    if max_support < 0:
+        raise InvalidArgument(f"max_support must be >= 0, got {max_support}")
+    if facts.fingerprint and target_fingerprint and facts.fingerprint != target_fingerprint:
+        raise FailedPrecondition(
+            f"draft model {facts.model!r} uses a different tokenizer than the target (fingerprints "
+            f"{facts.fingerprint[:12]} vs {target_fingerprint[:12]}); speculative decoding needs the same one")
+    if facts.vocab_size and target_vocab_size and facts.vocab_size > target_vocab_size:
+        raise FailedPrecondition(f"draft vocabulary ({facts.vocab_size}) is larger than the target's "
+                                 f"({target_vocab_size})")
+    if not prompt_ids:
+        raise InvalidArgument("prompt is empty")
+    if facts.vocab_size and (min(prompt_ids) < 0 or max(prompt_ids) >= facts.vocab_size):
+        raise InvalidArgument(f"prompt token ids must be in [0, {facts.vocab_size})")
 
-    def __init__(self, drafter: Drafter, config: DraftConfig | None = None):
-        config = config or DraftConfig()
-        self.drafter = drafter
-        self.max_sessions = config.max_sessions
-        self.default_max_support = config.max_support
-        self._sessions: dict[str, _Session] = {}
-        self._lock = threading.Lock()
+
+def check_propose(holds: int, keep: int, append: list[int], k: int, vocab_size: int) -> None:
+    if not 0 <= k <= MAX_K:
+        raise InvalidArgument(f"k must be in [0, {MAX_K}], got {k}")
+    if not 0 <= keep <= holds:
+        raise InvalidArgument(f"keep={keep} but the draft holds {holds} tokens")
+    if vocab_size and append and (min(append) < 0 or max(append) >= vocab_size):
+        raise InvalidArgument("appended token ids are outside the draft vocabulary")
+
+
+class _Prefill(Job):
+    def __init__(self, s: _Session):
+        super().__init__(s.seq, 0, s.tokens, 1)
+        self.s = s
+
+    def on_logits(self, logits: torch.Tensor) -> None:  # logits [1, V]
+        self.s.cached, self.s.last_logits = len(self.s.tokens), logits[-1]
+        self.finish(self.elapsed_ms())
+
+
+class _Propose(Job):
+    """Feed what the cache lacks, then sample k tokens, feeding each but the last."""
+
+    def __init__(self, s: _Session, k: int, generator: torch.Generator):
+        feed = s.tokens[s.cached:]
+        super().__init__(s.seq, s.cached, feed, 1 if feed else 0)
+        self.s, self.k, self.generator = s, k, generator
+        self.drafted: list[int] = []
+        self.dists: list[SparseDist] = []
+        if not feed:  # the cache is up to date: the first token comes from the logits the session has
+            self.sample(s.last_logits)
+
+    @property
+    def splittable(self) -> bool:  # a long catch-up feed goes in chunks; draft steps never split
+        return len(self.pending) > LONG_FEED
+
+    def on_logits(self, logits: torch.Tensor) -> None:  # logits [1, V]
+        s = self.s
+        s.cached, s.last_logits = self.start, logits[-1]
+        self.sample(logits[-1])
+
+    def sample(self, logits: torch.Tensor) -> None:  # logits [V]
+        tok, ids, q = draft_token(logits, self.s.sampling, self.s.max_support, self.generator)
+        self.s.tokens.append(tok)
+        self.drafted.append(tok)
+        self.dists.append((ids.tolist(), q.tolist()))
+        if len(self.drafted) == self.k:
+            self.finish(Proposal(self.drafted, self.dists, self.elapsed_ms()))
+        else:
+            self._feed(self.start, [tok], 1)
+
+
+class DraftEngine(PooledEngine[_Session]):
+    role = "draft"
+
+    def __init__(self, runner: BatchRunner, config: DraftConfig | None = None, on_step=None):
+        super().__init__(runner, config or DraftConfig(), on_step)
+
+    async def open(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, target_fingerprint: str,
+                   target_vocab_size: int, max_support: int = 0, max_tokens: int = 0, max_draft: int = 0) -> None:
+        """Admit a session: it reserves what the request can make it hold (prompt + max_tokens +
+        two rounds of drafts), capped at the draft's context; no model work (see `prefill`)."""
+        check_open(self.facts, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_support)
+        least = len(prompt_ids) + 2 * max_draft + 2
+        if least > self.facts.max_context:
+            raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) and two rounds of drafts do not fit the "
+                                  f"draft context of {self.facts.max_context}")
+        need = min(self.facts.max_context, least + max(0, max_tokens))
+        seq = await self._admit(session_id, need)
+        self._sessions[session_id] = _Session(seq, list(prompt_ids), sampling,
+                                              max_support or self.config.max_support, need)
+
+    def prefill(self, session_id: str) -> Future:
+        """-> Future[float]: the prompt's milliseconds."""
+        return self.loop.submit(_Prefill(self._get(session_id)))
+
+    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int) -> Future:
+        """-> Future[Proposal]."""
+        s = self._get(session_id)
+        check_propose(len(s.tokens), keep, append, k, self.facts.vocab_size)
+        if keep + len(append) + k > s.reserved:
+            raise InvalidArgument(f"the draft session is full ({s.reserved} tokens)")
+        del s.tokens[keep:]
+        s.tokens.extend(append)
+        if k == 0:
+            return _done(Proposal([], [], 0.0))
+        cached = s.cached
+        if s.cached > keep:  # cache entries past `keep` belong to tokens that are gone
+            s.cached, s.last_logits = keep, None
+        if s.cached == len(s.tokens) and s.last_logits is None:  # nothing to feed, no logits to start from
+            s.cached -= 1  # feed the last token again
+        if s.cached < cached:
+            self.loop.call(self.runner.truncate, s.seq, s.cached)  # in the model thread, before the job
+        job = _Propose(s, k, make_generator(seed))
+        return job.future if job.done else self.loop.submit(job)
+
+
+@dataclass
+class NgramDraftEngine:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from max_ngram
+    down to min_ngram) and propose what followed it. Proposals are deterministic, so q~ is
+    one-hot and the acceptance rule accepts with probability p(x)."""
+
+    config: DraftConfig = field(default_factory=DraftConfig)
+    facts: ModelFacts = field(default_factory=lambda: ModelFacts("ngram", "ngram", "", 0, 1 << 30))
+    _sessions: dict[str, list[int]] = field(default_factory=dict)
+
+    def start(self) -> "NgramDraftEngine":
+        return self
+
+    def stop(self) -> None:
+        pass
 
     @property
     def active_sessions(self) -> int:
@@ -49,93 +185,49 @@ class DraftEngine:
 
     @property
     def kv_tokens_in_use(self) -> int:
-        return sum(s.seq.fed for s in list(self._sessions.values()) if s.seq is not None)
+        return 0
 
-    def open(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams,
-             target_fingerprint: str, target_vocab_size: int, max_support: int = 0) -> None:
-        """Admit a session (validation, limits, registration); no model work. See `prefill`."""
-        sampling.validate("draft_")
-        if max_support < 0:
-            raise InvalidArgument(f"max_support must be >= 0, got {max_support}")
-        fp = self.drafter.fingerprint
-        if fp and target_fingerprint and fp != target_fingerprint:
-            raise FailedPrecondition(
-                f"draft model {self.drafter.model!r} uses a different tokenizer than the target "
-                f"(fingerprints {fp[:12]} vs {target_fingerprint[:12]}); speculative decoding needs the same one")
-        if self.drafter.vocab_size and target_vocab_size and self.drafter.vocab_size > target_vocab_size:
-            raise FailedPrecondition(
-                f"draft vocabulary ({self.drafter.vocab_size}) is larger than the target's ({target_vocab_size})")
-        if not prompt_ids:
-            raise InvalidArgument("prompt is empty")
-        if len(prompt_ids) >= self.drafter.max_context:
-            raise InvalidArgument(f"prompt does not fit the draft context of {self.drafter.max_context}")
-        with self._lock:
-            if session_id in self._sessions:
-                raise FailedPrecondition(f"draft session {session_id!r} already open")
-            if len(self._sessions) >= self.max_sessions:
-                raise ResourceExhausted(f"draft is at its limit of {self.max_sessions} sessions")
-            self._sessions[session_id] = _Session(list(prompt_ids), sampling,
-                                                  max_support or self.default_max_support)
+    async def open(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, target_fingerprint: str,
+                   target_vocab_size: int, max_support: int = 0, max_tokens: int = 0, max_draft: int = 0) -> None:
+        check_open(self.facts, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_support)
+        if session_id in self._sessions:
+            raise FailedPrecondition(f"draft session {session_id!r} already open")
+        self._sessions[session_id] = list(prompt_ids)
 
-    def prefill(self, session_id: str) -> float:
-        """The model work of an open: feed the prompt. Returns its milliseconds."""
-        s = self._get(session_id)
-        with self._job(s):
-            t0 = time.perf_counter()
-            s.seq = self.drafter.new_sequence(s.prompt_ids)
-            return (time.perf_counter() - t0) * 1e3
+    def prefill(self, session_id: str) -> Future:
+        self._get(session_id)
+        return _done(0.0)
 
-    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int) -> Proposal:
-        s = self._get(session_id)
-        if not 0 <= k <= MAX_K:
-            raise InvalidArgument(f"k must be in [0, {MAX_K}], got {k}")
-        with self._job(s):
-            seq = s.seq
-            if seq is None:
-                raise FailedPrecondition("propose before the session's prefill finished")
-            if not 0 <= keep <= len(seq.tokens):
-                raise InvalidArgument(f"keep={keep} but the draft holds {len(seq.tokens)} tokens")
-            if keep + len(append) + k > self.drafter.max_context:
-                raise InvalidArgument(f"draft context of {self.drafter.max_context} tokens is full")
-            if self.drafter.vocab_size and append and (min(append) < 0 or max(append) >= self.drafter.vocab_size):
-                raise InvalidArgument("appended token ids are outside the draft vocabulary")
-            t0 = time.perf_counter()
-            self.drafter.rewind(seq, keep)
-            seq.tokens.extend(append)
-            tokens, dists = self.drafter.propose(seq, k, s.sampling, s.max_support, make_generator(seed))
-            return Proposal(tokens, dists, (time.perf_counter() - t0) * 1e3)
+    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int) -> Future:
+        toks = self._get(session_id)
+        check_propose(len(toks), keep, append, k, 0)
+        t0 = time.perf_counter()
+        del toks[keep:]
+        toks.extend(append)
+        out = self.lookup(toks, k)
+        toks.extend(out)
+        return _done(Proposal(out, [([t], [1.0]) for t in out], (time.perf_counter() - t0) * 1e3))
+
+    def lookup(self, toks: list[int], k: int) -> list[int]:
+        c = self.config
+        for n in range(min(c.ngram_max, len(toks) - 1), c.ngram_min - 1, -1):
+            pattern = toks[-n:]
+            for start in range(len(toks) - n - 1, -1, -1):
+                if toks[start:start + n] == pattern:
+                    return toks[start + n:start + n + k]
+        return []
 
     def close(self, session_id: str) -> None:
-        """Forget the session (idempotent, never blocks); its drafter state is released now, or
-        by its job in flight when that ends."""
-        with self._lock:
-            s = self._sessions.pop(session_id, None)
-        if s is not None:
-            s.closed = True
-            self._release_if_idle(s)
+        self._sessions.pop(session_id, None)
 
-    # -- internals -------------------------------------------------------------------------------
-    def _get(self, session_id: str) -> _Session:
-        s = self._sessions.get(session_id)
-        if s is None:
+    def _get(self, session_id: str) -> list[int]:
+        toks = self._sessions.get(session_id)
+        if toks is None:
             raise NotFound(f"no draft session {session_id!r}")
-        return s
+        return toks
 
-    @contextmanager
-    def _job(self, s: _Session):
-        try:
-            with s.lock:
-                if s.closed:
-                    raise NotFound("draft session closed")
-                yield
-        finally:
-            self._release_if_idle(s)  # after the lock: close() may have found it held
 
-    def _release_if_idle(self, s: _Session) -> None:
-        if s.closed and s.lock.acquire(blocking=False):
-            try:
-                seq, s.seq = s.seq, None
-                if seq is not None:
-                    self.drafter.release(seq)
-            finally:
-                s.lock.release()
+def _done(result) -> Future:
+    f: Future = Future()
+    f.set_result(result)
+    return f

@@ -123,10 +123,10 @@ class GrpcTargetSession:
             self.on_unavailable(e)
             raise
 
-    async def open(self, prompt_ids, sampling, seed) -> TargetOpenResult:
+    async def open(self, prompt_ids, sampling, seed, max_tokens, max_draft) -> TargetOpenResult:
         r = await self._ask(target_pb2.TargetRequest(open=target_pb2.TargetOpen(
-            session_id=self.sid, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling), seed=seed)),
-            AT_OPEN)
+            session_id=self.sid, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling), seed=seed,
+            max_tokens=max_tokens, max_draft=max_draft)), AT_OPEN)
         return TargetOpenResult(r.opened.first_token, r.opened.prefill_ms)
 
     async def verify(self, draft_ids, dists) -> VerifyResult:
@@ -153,11 +153,11 @@ class GrpcDraftSession:
         self.max_support = max_support
         self.stream = _Stream(stub.Session, timeout_s, "draft", deadline)
 
-    async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size) -> float:
+    async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_tokens, max_draft) -> float:
         r = await self.stream.ask(draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
             session_id=self.sid, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling),
             target_tokenizer_fingerprint=target_fingerprint, target_vocab_size=target_vocab_size,
-            max_support=self.max_support)), AT_OPEN)
+            max_support=self.max_support, max_tokens=max_tokens, max_draft=max_draft)), AT_OPEN)
         return r.opened.prefill_ms
 
     async def propose(self, keep, append, k, seed) -> DraftResult:
@@ -302,9 +302,10 @@ class GrpcBackends:
         return GrpcDraftSession(self.draft_stub, sid, self.timeout_s, deadline)
 
     def draft_failed(self, error: BaseException) -> None:
-        """A draft call failed: the request goes on target-only. A full draft stays offered to
-        other requests; otherwise the draft is down until the monitor sees it answer again."""
-        if isinstance(error, ResourceExhausted):
+        """A draft call failed: the request goes on target-only. A full draft, or a call cut by the
+        request's own deadline, says nothing about the draft's health: it stays offered to other
+        requests; otherwise the draft is down until the monitor sees it answer again."""
+        if isinstance(error, (ResourceExhausted, DeadlineExceeded)):
             return
         if self.draft_up:
             log.warning("draft service marked unavailable: %s", error)

@@ -86,7 +86,9 @@ class DraftResult:
 
 
 class TargetSession(Protocol):
-    async def open(self, prompt_ids: list[int], sampling: SamplingParams, seed: int) -> TargetOpenResult: ...
+    async def open(self, prompt_ids: list[int], sampling: SamplingParams, seed: int, max_tokens: int,
+                   max_draft: int) -> TargetOpenResult:
+        """max_tokens and max_draft: the session's worst case, which the target reserves."""
 
     async def verify(self, draft_ids: list[int], dists: list[SparseDist]) -> VerifyResult:
         """Raises RoundRejected when the target refuses what was sent (the round can be retried)."""
@@ -96,7 +98,7 @@ class TargetSession(Protocol):
 
 class DraftSession(Protocol):
     async def open(self, prompt_ids: list[int], sampling: SamplingParams, target_fingerprint: str,
-                   target_vocab_size: int) -> float: ...
+                   target_vocab_size: int, max_tokens: int, max_draft: int) -> float: ...
 
     async def propose(self, keep: int, append: list[int], k: int, seed: int) -> DraftResult: ...
 
@@ -322,7 +324,8 @@ class Orchestrator:
     async def _open(self, run: Run) -> Event:
         """Prefill the target (and the draft alongside); emit the first token."""
         req = run.req
-        opening = asyncio.ensure_future(run.target.open(req.prompt_ids, req.sampling, derive_seed(run.seed, 0)))
+        opening = asyncio.ensure_future(run.target.open(req.prompt_ids, req.sampling, derive_seed(run.seed, 0),
+                                                        req.max_tokens, req.k))
         try:
             if run.wants_draft:
                 await self._attach_draft(run)  # alongside the target's prefill
@@ -346,7 +349,8 @@ class Orchestrator:
             return
         t = self.backends.target
         try:
-            await ds.open(list(run.committed), run.req.draft_sampling, t.fingerprint, t.vocab_size)
+            await ds.open(list(run.committed), run.req.draft_sampling, t.fingerprint, t.vocab_size,
+                          run.remaining, run.req.k)
         except Exception as e:  # noqa: BLE001 - a draft error never fails the request
             log.warning("draft session could not be opened (%s); serving target-only", e)
             self.backends.draft_failed(e)

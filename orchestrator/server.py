@@ -13,7 +13,6 @@ from orchestrator.clients import GrpcBackends
 from orchestrator.engine import GenerationRequest, Orchestrator
 from specdec import hf_compat, metrics, models
 from specdec.config import OrchestratorConfig
-from specdec.devices import process_memory_bytes
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.modes import Mode
 from specdec.rpc import Server, Servicer, boundary, sampling_from_proto
@@ -173,7 +172,8 @@ async def serve(cfg: OrchestratorConfig, tokenizer_spec: str = "") -> None:
     spec = tokenizer_spec or info.model
     tokenizer = await asyncio.to_thread(lambda: models.load_tokenizer(models.resolve(spec)))
     servicer.attach(tokenizer)
-    metrics.start(cfg.host, cfg.metrics_port, "orchestrator", process_memory_bytes)
+    metrics.watch("orchestrator")
+    metrics.start(cfg.host, cfg.metrics_port)
     metrics.REQUESTS_RUNNING.set_function(lambda: servicer.running)
     backends.start_monitor()
     log.info("orchestrator ready on %s (target %s, draft %s)", server.address, info.model,

@@ -8,7 +8,7 @@
 #   sdist/   the downloaded llama-cpp-python sdist
 #   src/     its unpacked tree (vendor/llama.cpp is the CMake project)
 #   build/   the CMake build folder
-#   bin/     llama-speculative, llama-speculative-simple, llama-quantize (copies)
+#   bin/     llama-speculative, llama-speculative-simple, llama-quantize, llama-server (copies)
 #
 # Only the needed targets are built, statically linked, Release, with -DGGML_NATIVE=ON.
 # On this 2-core machine with -j2 the build takes ~5-6 min (measured); set JOBS to change.
@@ -19,11 +19,15 @@ set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 ROOT="${SPECDEC_CACHE_DIR:-$HOME/.cache/specdec}/llamacpp-peer"
 JOBS="${JOBS:-2}"
-TARGETS=(llama-speculative llama-speculative-simple llama-quantize)
+TARGETS=(llama-speculative llama-speculative-simple llama-quantize llama-server)
+# native, but without AMX: some virtual machines advertise AMX yet trap its tile instructions
+# (the same flags as scripts/install.sh uses for llama-cpp-python)
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 if [[ "${1:-}" != "--force" ]]; then
   ok=1
   for t in "${TARGETS[@]}"; do [[ -x "$ROOT/bin/$t" ]] || ok=0; done
+  [[ "$(cat "$ROOT/bin/VERSION" 2>/dev/null)" == "$VERSION $NO_AMX" ]] || ok=0
   if [[ $ok == 1 ]]; then
     echo "llama.cpp peer already built in $ROOT/bin"
     exit 0
@@ -58,7 +62,9 @@ cmake -S "$LLAMA" -B "$BUILD" "${generator[@]}" \
   -DLLAMA_OPENSSL=OFF \
   -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_SERVER=ON \
+  -DCMAKE_C_FLAGS="$NO_AMX" \
+  -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_EXAMPLES=ON \
   -DLLAMA_BUILD_TOOLS=ON
@@ -67,5 +73,5 @@ cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TARGETS[@]}"
 for t in "${TARGETS[@]}"; do
   cp -f "$(find "$BUILD/bin" -maxdepth 1 -name "$t" -type f | head -1)" "$ROOT/bin/$t"
 done
-echo "$VERSION" > "$ROOT/bin/VERSION"
+echo "$VERSION $NO_AMX" > "$ROOT/bin/VERSION"
 echo "built ${TARGETS[*]} into $ROOT/bin in $(( $(date +%s) - start )) s"

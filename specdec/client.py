@@ -122,8 +122,14 @@ class Client:
         self.timeout = timeout
 
     def generate(self, prompt: str | None = None, **kw) -> Iterator[specdec_pb2.GenerateChunk]:
-        """Stream chunks: text delta, token ids and round stats; the last one carries the summary."""
-        yield from self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout)
+        """Stream chunks: text delta, token ids and round stats; the last one carries the summary.
+        Stopping early (closing the iterator, or leaving the loop and dropping it) cancels the
+        request, and the server frees what it held."""
+        call = self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
 
     def complete(self, prompt: str | None = None, **kw) -> GenerationResult:
         c = ResultCollector()
@@ -154,8 +160,12 @@ class AsyncClient:
         self.timeout = timeout
 
     async def generate(self, prompt: str | None = None, **kw) -> AsyncIterator[specdec_pb2.GenerateChunk]:
-        async for chunk in self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout):
-            yield chunk
+        call = self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
 
     async def complete(self, prompt: str | None = None, **kw) -> GenerationResult:
         c = ResultCollector()

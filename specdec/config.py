@@ -36,22 +36,36 @@ class ServiceConfig:
 
 
 @dataclass
-class TargetConfig(ServiceConfig):
-    port: int = 50052
-    model: str = DEFAULT_TARGET_MODEL
-    dtype: str = "float32"
-    cpu_cores: str = "0"
-    kv_budget_tokens: int = 65536  # KV entries over all sessions; RESOURCE_EXHAUSTED beyond
+class ModelServiceConfig(ServiceConfig):
+    """What the target and draft services share: a model in a fixed KV pool, stepped in batches."""
+
+    engine: str = "torch"  # torch (the Llama-family paged runner, else transformers) | llamacpp (GGUF)
+    model: str = DEFAULT_TARGET_MODEL  # packaged name, .gguf file or HF directory
+    dtype: str = "float32"  # torch engine: float32 | bfloat16 | float16
+    gguf_type: str = ""  # llamacpp engine: run the GGUF in f32 | f16 | q8_0 (a requantized copy, made once); "" = as shipped
+    kv_pool_tokens: int = 16384  # the KV pool, allocated at startup: tokens over all sessions
+    block_size: int = 16  # tokens per KV block
+    max_step_tokens: int = 512  # tokens in one forward, all sessions together
+    max_prefill_tokens: int = 128  # prompt tokens per step (longer prompts are prefilled in chunks)
+    admission_wait_s: float = 10.0  # how long a new session waits for room in a full pool
+    admission_queue: int = 64  # sessions that may wait at once; beyond, RESOURCE_EXHAUSTED at once
 
 
 @dataclass
-class DraftConfig(ServiceConfig):
+class TargetConfig(ModelServiceConfig):
+    port: int = 50052
+    cpu_cores: str = "0"
+    gguf_type: str = "f32"  # the same weights as the torch fp32 target (the shipped file, dequantized)
+    kv_pool_tokens: int = 32768
+
+
+@dataclass
+class DraftConfig(ModelServiceConfig):
     port: int = 50053
     engine: str = "llamacpp"  # llamacpp | torch | ngram
     model: str = DEFAULT_DRAFT_MODEL
-    dtype: str = "float32"  # torch engine only
     cpu_cores: str = "1"
-    context_tokens: int = 8192  # llama.cpp context per session
+    admission_wait_s: float = 0.0  # a full draft does not queue: the request runs target-only
     max_support: int = 64  # cap on the sparse draft distribution per token
     ngram_max: int = 4
     ngram_min: int = 1

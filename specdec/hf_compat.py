@@ -55,6 +55,36 @@ def plain_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return fresh
 
 
+def rope_type(config) -> str:
+    """The model's RoPE variant ("default", "llama3", "linear", "yarn", "dynamic", ...).
+
+    5.x keeps it in `config.rope_parameters["rope_type"]`; 4.x in `config.rope_scaling`
+    (`rope_type`, or `type` in older files), where None means the default rotation.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def rope_tables(model: torch.nn.Module, positions: int, dtype: torch.dtype,
+                device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [positions, head_dim] for positions 0..positions-1, in `dtype`.
+
+    Computed by the model's own rotary module (one per decoder since 4.45, called as
+    `rotary_emb(x, position_ids)` with x only giving dtype and device), so rope scaling
+    variants (llama3, linear, yarn) come out exactly as the model applies them. Variants
+    whose frequencies depend on the current sequence length (dynamic, longrope) are not
+    position tables; callers must not use this for them.
+    """
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        raise ValueError(f"{type(model).__name__} has no decoder-level rotary_emb")
+    pos = torch.arange(positions, device=device).unsqueeze(0)  # [1, P]
+    x = torch.zeros(1, dtype=dtype, device=device)  # dtype/device carrier only
+    with torch.no_grad():
+        cos, sin = rotary(x, pos)  # each [1, P, D]
+    return cos[0].to(dtype).contiguous(), sin[0].to(dtype).contiguous()  # each [P, D]
+
+
 def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The token ids of a chat rendered with the tokenizer's template and a generation prompt.
 

@@ -228,6 +228,23 @@ class Server:
 
 # -- conversions --------------------------------------------------------------------------------------
 
+def model_info(engine, device: str) -> common_pb2.ModelInfo:
+    """What a model service says about itself: its model's facts and its occupancy right now."""
+    f = engine.facts
+    info = common_pb2.ModelInfo(
+        model=f.model, engine=f.engine, tokenizer_fingerprint=f.fingerprint, vocab_size=f.vocab_size,
+        max_context=min(f.max_context, 2**31 - 1), eos_token_ids=f.eos_token_ids, dtype=f.dtype, device=device,
+        weight_bytes=f.weight_bytes, kv_bytes_per_token=f.kv_bytes_per_token,
+        max_sessions=engine.config.max_sessions, active_sessions=engine.active_sessions,
+        kv_tokens_in_use=engine.kv_tokens_in_use)
+    runner = getattr(engine, "runner", None)
+    if runner is not None:
+        pool = runner.blocks.stats()
+        info.kv_pool_tokens = pool.num_blocks * pool.block_size
+        info.kv_pool_free_tokens = pool.free_blocks * pool.block_size
+    return info
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,

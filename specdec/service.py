@@ -1,6 +1,6 @@
 """The entry point of each service process: `python -m target_service|draft_service|orchestrator`.
 
-Every field of the service's config section is also a flag (`--kv-budget-tokens 32768`);
+Every field of the service's config section is also a flag (`--kv-pool-tokens 32768`);
 `--config FILE` loads a TOML file first and the flags override it. Each service hands its
 own `serve` in, so the core never imports a service.
 """

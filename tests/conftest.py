@@ -90,6 +90,44 @@ def running(cfg, log_dir, ready_s: float = 300):
         yield stack
 
 
+# -- the greedy references of the end-to-end tests: 20 ShareGPT + HumanEval prompts x 64 tokens ----------
+N_PROMPTS = 20
+NEW_TOKENS = 64
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """The reference: transformers generate, greedy, never stopping at EOS."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def target_model():
+    import torch
+
+    from specdec import models
+
+    torch.set_num_threads(2)
+    return models.load_model(models.resolve(models.DEFAULT_TARGET_MODEL))
+
+
+@pytest.fixture(scope="session")
+def prompts(smol_tokenizer) -> list[tuple[str, list[int]]]:
+    from specdec import hf_compat
+    from specdec.lab.workloads import mixed_workload
+
+    return [(p.id, hf_compat.chat_token_ids(smol_tokenizer, p.messages)) for p in mixed_workload(N_PROMPTS)]
+
+
+@pytest.fixture(scope="session")
+def references(target_model, prompts) -> dict[str, list[int]]:
+    return {pid: hf_greedy(target_model, ids, NEW_TOKENS) for pid, ids in prompts}
+
+
 @pytest.fixture(scope="session")
 def default_stack(tmp_path_factory):
     """The default pair as three real processes (what `specdec up` starts)."""

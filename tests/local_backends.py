@@ -1,36 +1,29 @@
-"""In-process backends for tests: the orchestrator engine over the target and draft engines, no network.
-
-Used by tests that exercise the real speculative path without gRPC.
-Engine calls run in worker threads, one per engine, so that drafting and verifying
-overlap as they do across processes.
+"""In-process backends for tests: the orchestrator engine over the real target and draft engines,
+no network. Each engine runs its own model thread (its step loop), so drafting and verifying
+overlap, and sessions are batched, as they are across processes.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from draft_service.engine import DraftEngine
 from orchestrator.engine import DraftResult, TargetFacts, TargetOpenResult, VerifyResult
 from specdec.sampling import SamplingParams
-from target_service.engine import TargetEngine
 
 
 class LocalTargetSession:
-    def __init__(self, engine: TargetEngine, pool: ThreadPoolExecutor, sid: str):
-        self.engine, self.pool, self.sid = engine, pool, sid
+    def __init__(self, engine, sid: str):
+        self.engine, self.sid = engine, sid
 
-    async def _run(self, fn, *a):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
-
-    async def open(self, prompt_ids, sampling: SamplingParams, seed: int) -> TargetOpenResult:
-        self.engine.open(self.sid, list(prompt_ids), sampling, seed)
-        o = await self._run(self.engine.prefill, self.sid)
+    async def open(self, prompt_ids, sampling: SamplingParams, seed: int, max_tokens: int,
+                   max_draft: int) -> TargetOpenResult:
+        await self.engine.open(self.sid, list(prompt_ids), sampling, seed, max_tokens, max_draft)
+        o = await asyncio.wrap_future(self.engine.prefill(self.sid))
         return TargetOpenResult(o.first_token, o.prefill_ms)
 
     async def verify(self, draft_ids, dists) -> VerifyResult:
         t0 = time.perf_counter()
-        v = await self._run(self.engine.verify, self.sid, list(draft_ids), list(dists))
+        v = await asyncio.wrap_future(self.engine.verify(self.sid, list(draft_ids), list(dists)))
         return VerifyResult(v.num_accepted, v.next_token, v.verify_ms, (time.perf_counter() - t0) * 1e3, 0)
 
     async def close(self):
@@ -38,18 +31,17 @@ class LocalTargetSession:
 
 
 class LocalDraftSession:
-    def __init__(self, engine: DraftEngine, pool: ThreadPoolExecutor, sid: str):
-        self.engine, self.pool, self.sid = engine, pool, sid
+    def __init__(self, engine, sid: str):
+        self.engine, self.sid = engine, sid
 
-    async def _run(self, fn, *a):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *a)
-
-    async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size) -> float:
-        self.engine.open(self.sid, list(prompt_ids), sampling, target_fingerprint, target_vocab_size)
-        return await self._run(self.engine.prefill, self.sid)
+    async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_tokens,
+                   max_draft) -> float:
+        await self.engine.open(self.sid, list(prompt_ids), sampling, target_fingerprint, target_vocab_size, 0,
+                               max_tokens, max_draft)
+        return await asyncio.wrap_future(self.engine.prefill(self.sid))
 
     async def propose(self, keep, append, k, seed) -> DraftResult:
-        p = await self._run(self.engine.propose, self.sid, keep, list(append), k, seed)
+        p = await asyncio.wrap_future(self.engine.propose(self.sid, keep, list(append), k, seed))
         return DraftResult(p.token_ids, p.dists, p.draft_ms)
 
     async def close(self):
@@ -57,20 +49,23 @@ class LocalDraftSession:
 
 
 class LocalBackends:
-    def __init__(self, target: TargetEngine, draft: DraftEngine | None):
-        self.target_engine = target
-        self.draft_engine = draft
-        r = target.runner
-        self.target = TargetFacts(r.fingerprint, r.vocab_size, r.max_context, r.eos_token_ids)
-        self._tpool = ThreadPoolExecutor(1, thread_name_prefix="target")
-        self._dpool = ThreadPoolExecutor(1, thread_name_prefix="draft")
+    def __init__(self, target, draft=None):
+        self.target_engine = target.start()
+        self.draft_engine = draft.start() if draft is not None else None
+        f = target.runner.facts
+        self.target = TargetFacts(f.fingerprint, f.vocab_size, f.max_context, f.eos_token_ids)
         self.draft_failures = 0
 
     def new_target_session(self, sid, deadline=None):
-        return LocalTargetSession(self.target_engine, self._tpool, sid)
+        return LocalTargetSession(self.target_engine, sid)
 
     def new_draft_session(self, sid, deadline=None):
-        return LocalDraftSession(self.draft_engine, self._dpool, sid) if self.draft_engine else None
+        return LocalDraftSession(self.draft_engine, sid) if self.draft_engine else None
 
     def draft_failed(self, error):
         self.draft_failures += 1
+
+    def stop(self) -> None:
+        self.target_engine.stop()
+        if self.draft_engine is not None:
+            self.draft_engine.stop()

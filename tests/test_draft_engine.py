@@ -1,21 +1,22 @@
-"""The draft engine keeps its cache consistent with what the orchestrator says it holds."""
+"""The draft engine keeps its cache consistent with what the orchestrator says it holds, batches
+sessions, and frees a session however it ends."""
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 import torch
 
-from draft_service.drafters import ModelDrafter, NgramDrafter, TorchBackend
-from draft_service.engine import DraftEngine
+from draft_service.engine import DraftEngine, NgramDraftEngine
 from specdec.config import DraftConfig
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
+from specdec.serving.paged_llama import PagedLlamaRunner
 
 
 @pytest.fixture(scope="module")
-def runner():
+def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -24,108 +25,137 @@ def runner():
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         m.lm_head.weight.mul_(20)  # peaked, so greedy drafts vary with the context
-    return ModelRunner(m, None, None)
+    return m
 
 
-def engine(runner, **kw):
-    d = ModelDrafter(TorchBackend(runner), "torch", "tiny", runner.fingerprint, runner.vocab_size, runner.max_context)
-    return DraftEngine(d, DraftConfig(**kw))
+@pytest.fixture()
+def engine(model):
+    e = DraftEngine(PagedLlamaRunner.from_hf_model(model, num_blocks=256, block_size=4, max_seqs=4),
+                    DraftConfig(max_sessions=4)).start()
+    yield e
+    e.stop()
 
 
-def fresh(runner, tokens, k):
-    e = engine(runner)
-    e.open("f", tokens, SamplingParams(), runner.fingerprint, runner.vocab_size)
-    e.prefill("f")
-    return e.propose("f", len(tokens), [], k, 0).token_ids
+def open_session(e, sid: str, prompt: list[int], max_tokens: int = 64, max_draft: int = 8) -> None:
+    asyncio.run(e.open(sid, prompt, SamplingParams(), e.facts.fingerprint, e.facts.vocab_size, 0, max_tokens,
+                       max_draft))
+    e.prefill(sid).result(10)
+
+
+def propose(e, sid, keep, append, k) -> list[int]:
+    return e.propose(sid, keep, append, k, 0).result(10).token_ids
+
+
+def fresh(e, tokens, k) -> list[int]:
+    open_session(e, "fresh", tokens)
+    try:
+        return propose(e, "fresh", len(tokens), [], k)
+    finally:
+        e.close("fresh")
 
 
 @pytest.mark.parametrize("k", [2, 3, 5])
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3, 4])
-def test_proposals_after_any_rollback_equal_a_fresh_session(runner, k, accepted):
+def test_proposals_after_any_rollback_equal_a_fresh_session(engine, k, accepted):
     prompt = [1, 5, 9, 13, 2]
-    e = engine(runner)
-    e.open("s", prompt, SamplingParams(), runner.fingerprint, runner.vocab_size)
-    e.prefill("s")
-    first = e.propose("s", len(prompt), [], k, 0).token_ids
+    open_session(engine, "s", prompt)
+    first = propose(engine, "s", len(prompt), [], k)
     n = min(accepted, k)
     correction = (first[n] + 1) % 64 if n < k else 7
     keep = len(prompt) + n
-    second = e.propose("s", keep, [correction], k, 0).token_ids
-    assert second == fresh(runner, prompt + first[:n] + [correction], k)
+    second = propose(engine, "s", keep, [correction], k)
+    assert second == fresh(engine, prompt + first[:n] + [correction], k)
     # pipelined shape: keep everything, append nothing
-    third = e.propose("s", keep + 1 + k, [], k, 0).token_ids
-    assert third == fresh(runner, prompt + first[:n] + [correction] + second, k)
+    third = propose(engine, "s", keep + 1 + k, [], k)
+    assert third == fresh(engine, prompt + first[:n] + [correction] + second, k)
 
 
-def test_engine_errors(runner):
-    e = engine(runner, max_sessions=1)
-    with pytest.raises(FailedPrecondition, match="tokenizer"):
-        e.open("a", [1, 2], SamplingParams(), "other-fingerprint", runner.vocab_size)
-    e.open("a", [1, 2], SamplingParams(), runner.fingerprint, runner.vocab_size)
-    e.prefill("a")
-    with pytest.raises(ResourceExhausted):
-        e.open("b", [1, 2], SamplingParams(), runner.fingerprint, runner.vocab_size)
-    with pytest.raises(InvalidArgument, match="keep"):
-        e.propose("a", 99, [], 2, 0)
-    with pytest.raises(InvalidArgument, match="k must be"):
-        e.propose("a", 2, [], 1000, 0)
-    with pytest.raises(NotFound):
-        e.propose("zz", 2, [], 2, 0)
-    with pytest.raises(InvalidArgument, match="draft_temperature"):
-        e.open("c", [1], SamplingParams(temperature=-1), runner.fingerprint, runner.vocab_size)
+def test_sessions_drafting_at_once_share_steps_and_match_drafting_alone(engine):
+    prompts = [[1, 5, 9], [2, 4, 6, 8, 10], [3, 3, 3, 7]]
+    alone = [fresh(engine, p, 6) for p in prompts]
+    for i, p in enumerate(prompts):
+        open_session(engine, f"s{i}", p)
+    steps = engine.loop.steps
+    futures = [engine.propose(f"s{i}", len(p), [], 6, 0) for i, p in enumerate(prompts)]
+    together = [f.result(10).token_ids for f in futures]
+    assert together == alone
+    assert engine.loop.steps - steps < 3 * 6  # the three sessions' draft steps went into shared forwards
 
 
-def test_ngram_drafter_copies_what_followed_the_last_match():
-    d = NgramDrafter(max_ngram=2)
-    e = DraftEngine(d)
-    e.open("s", [1, 2, 3, 4, 1, 2], SamplingParams(), "", 0)
-    e.prefill("s")
-    p = e.propose("s", 6, [], 3, 0)
-    assert p.token_ids == [3, 4, 1]
-    assert p.dists == [([3], [1.0]), ([4], [1.0]), ([1], [1.0])]
-    assert e.propose("s", 6, [9], 3, 0).token_ids == []  # no earlier 9: nothing to propose
+def test_engine_errors(model):
+    e = DraftEngine(PagedLlamaRunner.from_hf_model(model, num_blocks=64, block_size=4, max_seqs=1),
+                    DraftConfig(max_sessions=1)).start()
+    try:
+        with pytest.raises(FailedPrecondition, match="tokenizer"):
+            asyncio.run(e.open("a", [1, 2], SamplingParams(), "other-fingerprint", 64))
+        open_session(e, "a", [1, 2])
+        with pytest.raises(ResourceExhausted, match="full"):  # one sequence slot; the draft does not queue
+            asyncio.run(e.open("b", [1, 2], SamplingParams(), e.facts.fingerprint, 64))
+        with pytest.raises(InvalidArgument, match="keep"):
+            e.propose("a", 99, [], 2, 0)
+        with pytest.raises(InvalidArgument, match="k must be"):
+            e.propose("a", 2, [], 1000, 0)
+        with pytest.raises(InvalidArgument, match="full"):  # past what the session reserved
+            e.propose("a", 2, [5] * 100, 2, 0)
+        with pytest.raises(NotFound):
+            e.propose("zz", 2, [], 2, 0)
+        with pytest.raises(InvalidArgument, match="draft_temperature"):
+            asyncio.run(e.open("c", [1], SamplingParams(temperature=-1), e.facts.fingerprint, 64))
+    finally:
+        e.stop()
 
 
-class _GatedDrafter(NgramDrafter):
-    """An n-gram drafter whose prefill waits for a gate, counting releases (close-race tests)."""
+def test_ngram_engine_copies_what_followed_the_last_match():
+    e = NgramDraftEngine(DraftConfig(ngram_max=4, ngram_min=1))
+    asyncio.run(e.open("s", [1, 2, 3, 4, 1, 2], SamplingParams(), "", 0))
+    p = e.propose("s", 6, [], 3, 0).result()
+    assert p.token_ids == [3, 4, 1] and all(d == ([t], [1.0]) for t, d in zip(p.token_ids, p.dists))
+    assert e.propose("s", 6, [9], 3, 0).result().token_ids == []  # no earlier 9: nothing to propose
 
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        self.released = 0
 
-    def new_sequence(self, prompt_ids):
+class _GatedRunner:
+    """A runner whose forward waits for a gate (close-race tests)."""
+
+    def __init__(self, inner):
+        self.inner, self.blocks, self.facts = inner, inner.blocks, inner.facts
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def forward(self, chunks):
         self.entered.set()
         assert self.gate.wait(10)
-        return super().new_sequence(prompt_ids)
+        return self.inner.forward(chunks)
 
-    def release(self, seq):
-        self.released += 1
+    def truncate(self, seq, length):
+        self.inner.truncate(seq, length)
+
+    def free(self, seq):
+        self.inner.free(seq)
 
 
 @pytest.mark.parametrize("close_at", ["before prefill", "during prefill", "after prefill"])
-def test_close_at_any_moment_releases_the_session_exactly_once(close_at):
-    d = _GatedDrafter()
-    e = DraftEngine(d, DraftConfig(max_sessions=1))
-    e.open("s", [1, 2, 3], SamplingParams(), "", 0)
-    if close_at == "before prefill":
-        e.close("s")
-        d.gate.set()
-        with pytest.raises(NotFound):
-            e.prefill("s")
-    else:
-        t = threading.Thread(target=lambda: e.prefill("s"))
-        if close_at == "after prefill":
-            d.gate.set()
-        t.start()
-        assert d.entered.wait(10)
-        if close_at == "after prefill":
-            t.join(10)
-        e.close("s")  # never blocks, whatever the job is doing
-        assert e.active_sessions == 0
-        d.gate.set()
-        t.join(10)
-    e.close("s")  # idempotent
-    assert d.released == (0 if close_at == "before prefill" else 1)
-    e.open("t", [1, 2], SamplingParams(), "", 0)  # the slot is free again
+def test_close_at_any_moment_frees_the_session(model, close_at):
+    runner = _GatedRunner(PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4, max_seqs=1))
+    e = DraftEngine(runner, DraftConfig(max_sessions=1)).start()
+    try:
+        asyncio.run(e.open("s", [1, 2, 3], SamplingParams(), e.facts.fingerprint, 64, 0, 8, 2))
+        if close_at == "before prefill":
+            e.close("s")
+            with pytest.raises(NotFound):
+                e.prefill("s")
+        else:
+            done = e.prefill("s")
+            if close_at == "after prefill":
+                runner.gate.set()
+                done.result(10)
+            assert runner.entered.wait(10)
+            e.close("s")  # never blocks, whatever the model thread is doing
+            assert e.active_sessions == 0
+            runner.gate.set()
+        e.close("s")  # idempotent
+        e.loop.call(lambda: None).result(10)  # the model thread has run the close
+        stats = runner.blocks.stats()
+        assert stats.used_blocks == stats.reserved_blocks == stats.sequences == 0
+        asyncio.run(e.open("t", [1, 2], SamplingParams(), e.facts.fingerprint, 64))  # the slot is free again
+    finally:
+        runner.gate.set()
+        e.stop()

@@ -15,40 +15,10 @@ import grpc
 import pytest
 import torch
 
-from specdec import Client, hf_compat, models
-from specdec.lab.workloads import mixed_workload
+from conftest import NEW_TOKENS, hf_greedy
+from specdec import Client
 
 pytestmark = pytest.mark.slow
-
-N_PROMPTS = 20
-NEW_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def target_model():
-    torch.set_num_threads(2)
-    return models.load_model(models.resolve(models.DEFAULT_TARGET_MODEL))
-
-
-def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    """The reference: transformers generate, greedy, never stopping at EOS."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
-
-
-@pytest.fixture(scope="module")
-def prompts(smol_tokenizer):
-    out = []
-    for p in mixed_workload(N_PROMPTS):
-        out.append((p.id, hf_compat.chat_token_ids(smol_tokenizer, p.messages)))
-    return out
-
-
-@pytest.fixture(scope="module")
-def references(target_model, prompts):
-    return {pid: hf_greedy(target_model, ids, NEW_TOKENS) for pid, ids in prompts}
 
 
 @pytest.mark.parametrize("mode", ["target-only", "sequential", "pipelined"])

@@ -1,7 +1,8 @@
 """Exact sampling through the real speculative path, checked statistically.
 
 A tiny random Llama target and a different tiny random Llama draft (vocabulary 16) run in
-the real engines (`TargetEngine`, `DraftEngine` over `ModelDrafter(TorchBackend)`) driven by
+the real engines (`TargetEngine`, `DraftEngine`, each over a `PagedLlamaRunner` and its own
+model thread, so concurrent generations are batched) driven by
 the real `Orchestrator` over `LocalBackends`. The first W generated tokens of many seeded
 generations are compared with the target's exact distribution of W-token continuations,
 computed independently by enumerating all 16^W continuations with full (cache-free)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from contextlib import contextmanager
 import os
 from dataclasses import dataclass
 
@@ -38,13 +40,12 @@ from chi2 import chi2_sf
 import torch
 
 import target_service.engine as target_engine_module
-from draft_service.drafters import ModelDrafter, TorchBackend
 from draft_service.engine import DraftEngine
 from orchestrator.engine import GenerationRequest, Orchestrator
 from specdec.modes import Mode
 from local_backends import LocalBackends
 from specdec.acceptance import VerifyOutcome
-from specdec.runner import ModelRunner
+from specdec.serving.paged_llama import PagedLlamaRunner
 from specdec.sampling import SamplingParams, processed_probs, sample_index
 from specdec.config import DraftConfig, OrchestratorConfig, TargetConfig
 from target_service.engine import TargetEngine
@@ -93,10 +94,7 @@ def tiny_models() -> tuple[torch.nn.Module, torch.nn.Module]:
 def runners():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # hidden size 8: threads only add overhead
-    target, draft = tiny_models()
-    t, d = ModelRunner(target, None, None), ModelRunner(draft, None, None)
-    assert t.fingerprint == d.fingerprint == f"vocab-{V}"
-    yield t, d
+    yield tiny_models()
     torch.set_num_threads(threads)
 
 
@@ -108,13 +106,21 @@ class Stack:
     draft: DraftEngine
 
 
-def build_stack(runners, max_support: int = 64) -> Stack:
-    t, d = runners
-    te = TargetEngine(t, TargetConfig(max_sessions=CONCURRENCY + 8))
-    de = DraftEngine(ModelDrafter(TorchBackend(d), "torch", "tiny", d.fingerprint, V, d.max_context),
-                     DraftConfig(max_sessions=CONCURRENCY + 8, max_support=max_support))
+@contextmanager
+def built_stack(runners, max_support: int = 64):
+    """The real engines (each with its model thread) over paged runners of the two tiny models."""
+    target, draft = runners
+    seqs = CONCURRENCY + 8
+    te = TargetEngine(PagedLlamaRunner.from_hf_model(target, num_blocks=seqs * 4, block_size=4, max_seqs=seqs),
+                      TargetConfig(max_sessions=seqs))
+    de = DraftEngine(PagedLlamaRunner.from_hf_model(draft, num_blocks=seqs * 6, block_size=4, max_seqs=seqs),
+                     DraftConfig(max_sessions=seqs, max_support=max_support))
+    assert te.runner.facts.fingerprint == de.facts.fingerprint == f"vocab-{V}"
     backends = LocalBackends(te, de)
-    return Stack(Orchestrator(backends, decode=lambda ids: ""), backends, te, de)
+    try:
+        yield Stack(Orchestrator(backends, decode=lambda ids: ""), backends, te, de)
+    finally:
+        backends.stop()
 
 
 # -- generation through the real path ---------------------------------------------------------------
@@ -314,11 +320,11 @@ CASES = [
 
 
 def run_and_fit(runners, case: Case, seed0: int) -> tuple[Fit, RunStats]:
-    stack = build_stack(runners, case.max_support)
-    samples, stats = generate_many(stack, case.n, sampling=case.sampling, draft_sampling=case.draft_sampling,
-                                   mode=case.mode, k=case.k, max_tokens=case.max_tokens,
-                                   window=case.window, seed0=seed0)
-    exact = exact_distribution(runners[0].model, case.window, case.sampling)
+    with built_stack(runners, case.max_support) as stack:
+        samples, stats = generate_many(stack, case.n, sampling=case.sampling, draft_sampling=case.draft_sampling,
+                                       mode=case.mode, k=case.k, max_tokens=case.max_tokens,
+                                       window=case.window, seed0=seed0)
+    exact = exact_distribution(runners[0], case.window, case.sampling)
     fit = goodness_of_fit(samples, exact)
     rate = stats.accepted / stats.drafted if stats.drafted else 0.0
     hits = f", pipeline hits {stats.pipeline_hits}" if case.mode == Mode.PIPELINED else ""
@@ -378,9 +384,9 @@ def test_wrong_verifier_fails_the_statistical_check(runners, monkeypatch, wrong)
 
 @pytest.mark.parametrize("mode", [SEQ, PIPE], ids=["sequential", "pipelined"])
 def test_same_seed_same_tokens_and_different_seeds_differ(runners, mode):
-    stack = build_stack(runners)
     kw = dict(sampling=SP(1.0), draft_sampling=SP(0.7), mode=mode, k=2, max_tokens=8, window=8)
-    a, _ = generate_many(stack, 24, seed0=500, concurrency=24, **kw)
-    b, _ = generate_many(stack, 24, seed0=500, concurrency=1, **kw)  # other interleaving, same seeds
+    with built_stack(runners) as stack:
+        a, _ = generate_many(stack, 24, seed0=500, concurrency=24, **kw)
+        b, _ = generate_many(stack, 24, seed0=500, concurrency=1, **kw)  # other interleaving, same seeds
     assert a == b
     assert len(set(a)) > 12  # different seeds give different outputs in general

@@ -29,12 +29,14 @@ MODES = LABELS
 def gauges(stack: Stack) -> dict[str, float]:
     """The occupancy gauges of all three services."""
     c = stack.cfg
-    t = scrape_metrics(c.target.host, c.target.metrics_port)
     o = scrape_metrics(c.orchestrator.host, c.orchestrator.metrics_port)
-    out = {"target_sessions": t["specdec:target_sessions"], "kv_cache_tokens": t["specdec:kv_cache_tokens"],
-           "requests_running": o["specdec:num_requests_running"]}
-    if stack.with_draft and stack.procs["draft"].poll() is None:
-        out["draft_sessions"] = scrape_metrics(c.draft.host, c.draft.metrics_port)["specdec:draft_sessions"]
+    out = {"requests_running": o["specdec:num_requests_running"]}
+    for s in ("target", "draft"):
+        if s == "draft" and not (stack.with_draft and stack.procs["draft"].poll() is None):
+            continue
+        m = scrape_metrics(getattr(c, s).host, getattr(c, s).metrics_port)
+        for name in ("sessions", "kv_cache_tokens", "kv_blocks_used", "kv_blocks_reserved"):
+            out[f"{s}_{name}"] = m[f'specdec:{name}{{service="{s}"}}']
     return out
 
 
@@ -119,7 +121,8 @@ def test_deadline_during_prefill_frees_both_services_within_1s(default_stack, mo
 def fragile_stack(tiny_models, tmp_path_factory):
     """Tiny models; the target is killed and restarted by the tests."""
     cfg = with_metrics(tiny_config(tiny_models))
-    cfg.target.kv_budget_tokens = 400
+    cfg.target.kv_pool_tokens = 512
+    cfg.target.admission_wait_s = 0.2  # short: the holder below is still running when it ends
     cfg.orchestrator.rpc_timeout_s = 60  # a failure must be noticed long before this
     with running(cfg, tmp_path_factory.mktemp("fragile")) as stack:
         yield stack
@@ -144,7 +147,7 @@ def test_target_killed_mid_request_gives_unavailable_within_5s(fragile_stack, mo
     stack = fragile_stack
     stack.ensure_running("target")
     with Client(stack.address("orchestrator"), timeout=75) as c:
-        stream = c.generate(token_ids=list(range(100, 120)), max_tokens=900, ignore_eos=True, mode=mode, k=4)
+        stream = c.generate(token_ids=list(range(100, 120)), max_tokens=450, ignore_eos=True, mode=mode, k=4)
         with pytest.raises(grpc.RpcError) as e:
             for i, _ in enumerate(stream):
                 if i == 3:
@@ -164,16 +167,21 @@ def test_target_killed_mid_request_gives_unavailable_within_5s(fragile_stack, mo
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_round_refused_for_kv_gives_resource_exhausted_within_5s(fragile_stack, mode):
+def test_a_full_kv_pool_gives_resource_exhausted_within_5s(fragile_stack, mode):
+    """Rounds can no longer be refused for KV (a session's worst case is reserved at admission):
+    a newcomer that finds the pool full waits (admission_wait_s = 0.2 s here), then is refused."""
     stack = fragile_stack
     stack.ensure_running("target")
-    t0 = time.monotonic()
     with Client(stack.address("orchestrator"), timeout=75) as c:
+        holder = c.generate(token_ids=list(range(100, 300)), max_tokens=280, ignore_eos=True, mode=mode, k=4)
+        first = next(holder)  # admitted: it holds 485 of the 512 pool tokens until it ends
+        t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
-            # the prompt fits the 400-token budget; a later round does not
-            c.complete(token_ids=list(range(100, 400)), max_tokens=300, ignore_eos=True, mode=mode, k=4)
+            c.complete(token_ids=list(range(100, 200)), max_tokens=50, ignore_eos=True, mode=mode, k=4)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "KV pool" in e.value.details()
         assert time.monotonic() - t0 < 5.0
+        assert len(first.token_ids) + sum(len(ch.token_ids) for ch in holder) == 280  # the holder finishes
         assert len(c.complete("hi", max_tokens=4, ignore_eos=True, mode=mode).token_ids) == 4
     g = wait_all_zero(stack, 2.0)
     assert not any(g.values()), g

@@ -41,7 +41,7 @@ class FakeTarget:
         self.pending = -1
         self.closed = False
 
-    async def open(self, prompt_ids, sampling, seed) -> TargetOpenResult:
+    async def open(self, prompt_ids, sampling, seed, max_tokens, max_draft) -> TargetOpenResult:
         await asyncio.sleep(0)
         self.seq = list(prompt_ids)
         self.pending = next_token(self.seq)
@@ -76,7 +76,7 @@ class FakeDraft:
         self.holds: list[int] = []
         self.closed = False
 
-    async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size) -> float:
+    async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_tokens, max_draft) -> float:
         self.holds = list(prompt_ids)
         return 1.0
 

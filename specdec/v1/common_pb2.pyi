@@ -25,7 +25,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "engine", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "dtype", "device", "weight_bytes", "kv_bytes_per_token", "max_sessions", "active_sessions", "kv_tokens_in_use")
+    __slots__ = ("model", "engine", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "dtype", "device", "weight_bytes", "kv_bytes_per_token", "max_sessions", "active_sessions", "kv_tokens_in_use", "kv_pool_tokens", "kv_pool_free_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class ModelInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     tokenizer_fingerprint: str
@@ -52,7 +54,9 @@ class ModelInfo(_message.Message):
     max_sessions: int
     active_sessions: int
     kv_tokens_in_use: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_tokens_in_use: _Optional[int] = ...) -> None: ...
+    kv_pool_tokens: int
+    kv_pool_free_tokens: int
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_tokens_in_use: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_pool_free_tokens: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_tokenizer_fingerprint", "target_vocab_size", "max_support")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_tokenizer_fingerprint", "target_vocab_size", "max_support", "max_tokens", "max_draft")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     target_tokenizer_fingerprint: str
     target_vocab_size: int
     max_support: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., max_support: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    max_draft: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., max_support: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft: _Optional[int] = ...) -> None: ...
 
 class DraftOpened(_message.Message):
     __slots__ = ("prefill_ms",)

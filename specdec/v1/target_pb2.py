@@ -16,27 +16,27 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"v\n\nTargetOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"J\n\x0cTargetOpened\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x11\n\tkv_tokens\x18\x03 \x01(\x05\"\\\n\x0cTargetVerify\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12\x33\n\x0b\x64raft_dists\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"`\n\x0eTargetVerified\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x11\n\tkv_tokens\x18\x04 \x01(\x05\"k\n\rTargetRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.specdec.v1.TargetOpenH\x00\x12*\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specdec.v1.TargetVerifyH\x00\x42\x06\n\x04kind\"\x1f\n\x0cRoundRefused\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xa1\x01\n\x0eTargetResponse\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.specdec.v1.TargetOpenedH\x00\x12.\n\x08verified\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.TargetVerifiedH\x00\x12+\n\x07refused\x18\x03 \x01(\x0b\x32\x18.specdec.v1.RoundRefusedH\x00\x42\x06\n\x04kind2\x8d\x01\n\rTargetService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x44\n\x07Session\x12\x19.specdec.v1.TargetRequest\x1a\x1a.specdec.v1.TargetResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x9d\x01\n\nTargetOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x11\n\tmax_draft\x18\x06 \x01(\x05\"J\n\x0cTargetOpened\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x11\n\tkv_tokens\x18\x03 \x01(\x05\"\\\n\x0cTargetVerify\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12\x33\n\x0b\x64raft_dists\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\"`\n\x0eTargetVerified\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x11\n\tkv_tokens\x18\x04 \x01(\x05\"k\n\rTargetRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.specdec.v1.TargetOpenH\x00\x12*\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specdec.v1.TargetVerifyH\x00\x42\x06\n\x04kind\"\x1f\n\x0cRoundRefused\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xa1\x01\n\x0eTargetResponse\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.specdec.v1.TargetOpenedH\x00\x12.\n\x08verified\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.TargetVerifiedH\x00\x12+\n\x07refused\x18\x03 \x01(\x0b\x32\x18.specdec.v1.RoundRefusedH\x00\x42\x06\n\x04kind2\x8d\x01\n\rTargetService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x44\n\x07Session\x12\x19.specdec.v1.TargetRequest\x1a\x1a.specdec.v1.TargetResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TARGETOPEN']._serialized_start=64
-  _globals['_TARGETOPEN']._serialized_end=182
-  _globals['_TARGETOPENED']._serialized_start=184
-  _globals['_TARGETOPENED']._serialized_end=258
-  _globals['_TARGETVERIFY']._serialized_start=260
-  _globals['_TARGETVERIFY']._serialized_end=352
-  _globals['_TARGETVERIFIED']._serialized_start=354
-  _globals['_TARGETVERIFIED']._serialized_end=450
-  _globals['_TARGETREQUEST']._serialized_start=452
-  _globals['_TARGETREQUEST']._serialized_end=559
-  _globals['_ROUNDREFUSED']._serialized_start=561
-  _globals['_ROUNDREFUSED']._serialized_end=592
-  _globals['_TARGETRESPONSE']._serialized_start=595
-  _globals['_TARGETRESPONSE']._serialized_end=756
-  _globals['_TARGETSERVICE']._serialized_start=759
-  _globals['_TARGETSERVICE']._serialized_end=900
+  _globals['_TARGETOPEN']._serialized_start=65
+  _globals['_TARGETOPEN']._serialized_end=222
+  _globals['_TARGETOPENED']._serialized_start=224
+  _globals['_TARGETOPENED']._serialized_end=298
+  _globals['_TARGETVERIFY']._serialized_start=300
+  _globals['_TARGETVERIFY']._serialized_end=392
+  _globals['_TARGETVERIFIED']._serialized_start=394
+  _globals['_TARGETVERIFIED']._serialized_end=490
+  _globals['_TARGETREQUEST']._serialized_start=492
+  _globals['_TARGETREQUEST']._serialized_end=599
+  _globals['_ROUNDREFUSED']._serialized_start=601
+  _globals['_ROUNDREFUSED']._serialized_end=632
+  _globals['_TARGETRESPONSE']._serialized_start=635
+  _globals['_TARGETRESPONSE']._serialized_end=796
+  _globals['_TARGETSERVICE']._serialized_start=799
+  _globals['_TARGETSERVICE']._serialized_end=940
 # @@protoc_insertion_point(module_scope)

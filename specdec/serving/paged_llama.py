@@ -1,0 +1,558 @@
+"""The Llama family in plain torch over a paged KV pool: many sequences, one forward per step.
+
+`PagedLlamaRunner` implements `specdec.serving.batch.BatchRunner` for Llama, Qwen2 (q/k/v
+bias), Qwen3 (per-head q/k RMSNorm) and Mistral. Anything else is refused by `supports`
+and served by the transformers runner instead.
+
+Layout:
+- weights are pulled out of the Hugging Face model once, fused (QKV as one matrix, gate/up
+  as one matrix), and the HF model is dropped: memory is weights + KV pool + RoPE tables;
+- the KV pool is allocated once, zero-filled, as K and V [layers, num_blocks*block_size,
+  Hkv, D] (slot-major); `self.blocks` (a `BlockManager`) says which slots a sequence owns;
+- RoPE cos/sin are tabulated for every position 0..max_context-1 at load by the model's own
+  rotary module (`hf_compat.rope_tables`), so scaled variants (llama3, linear, yarn) match.
+
+A step is `prepare(chunks) -> StepInputs` (Python: validation, block growth, index tensors)
+followed by `run_step(weights, pool, inputs)`, a pure tensor function (no Python branching
+on data), so a GPU path can pad StepInputs to (batch, tokens) buckets and capture it.
+
+Attention: all chunks' tokens go through the matmuls as one flat [T, hidden] batch. For
+attention, queries are scattered into [B, maxq] (padded), each sequence's K/V are gathered
+block-wise from its block table into [B, maxblocks*block_size], and a mask (key
+position <= query position, and inside the sliding window on windowed layers) lets one
+scaled_dot_product_attention per layer do every sequence. GQA without copying K/V: the
+G = Hq/Hkv query heads of each KV head are folded into the query-length axis.
+
+Sliding window (Mistral; Qwen2/Qwen3 with use_sliding_window): implemented in the mask,
+exactly as transformers does (a query at p sees keys at positions > p - window); the full
+history stays in the pool, so max_context is not capped to the window.
+
+max_context = min(config.max_position_embeddings, pool capacity): a sequence can never
+hold more tokens than the pool has slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec import hf_compat, models
+from specdec.serving.batch import ModelFacts, SeqChunk
+from specdec.serving.blocks import BlockManager
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# RoPE variants whose frequencies depend on the current sequence length: not a position table
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------
+# weights
+# ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arch:
+    """Shapes and constants of the model."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    intermediate: int  # I
+    vocab: int  # V
+    eps: float  # RMSNorm epsilon
+    max_context: int  # positions 0..max_context-1 are valid
+    windows: tuple[int | None, ...]  # per layer: sliding window, or None for full attention
+
+    @property
+    def group(self) -> int:  # G: query heads per KV head
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [hidden, (Hq+2Hkv)*D]: q, k, v columns (x @ qkv)
+    qkv_bias: torch.Tensor | None  # [(Hq+2Hkv)*D] (Qwen2)
+    qk_norm: torch.Tensor | None  # [Hq+Hkv, D]: q_norm per q head, k_norm per k head (Qwen3)
+    o: torch.Tensor  # [Hq*D, hidden]
+    o_bias: torch.Tensor | None  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [hidden, 2I]: gate columns then up columns
+    gate_up_bias: torch.Tensor | None  # [2I]
+    down: torch.Tensor  # [I, hidden]
+    down_bias: torch.Tensor | None  # [hidden]
+    window: int | None  # sliding window of this layer
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [V, hidden] (when tied: a transposed view of lm_head, no copy)
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [hidden, V]
+    cos: torch.Tensor  # [max_context, D]
+    sin: torch.Tensor  # [max_context, D]
+
+    def nbytes(self) -> int:
+        """Bytes of the model weights (each storage once; RoPE tables not counted)."""
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for lw in self.layers:
+            tensors += [t for t in (lw.input_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, lw.o, lw.o_bias,
+                                    lw.post_norm, lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
+                        if t is not None]
+        seen: dict[int, int] = {}
+        for t in tensors:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+
+def _layer_windows(config, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window as transformers applies it for these model types."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return (None,) * num_layers
+    if config.model_type == "mistral":  # every layer (MistralAttention reads config.sliding_window)
+        return (int(window),) * num_layers
+    layer_types = getattr(config, "layer_types", None)  # qwen2/qwen3: only "sliding_attention" layers
+    if not layer_types:
+        return (None,) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types[:num_layers])
+
+
+def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    return None if getattr(linear, "bias", None) is None else linear.bias.detach()
+
+
+def _cat_bias(linears: Sequence[torch.nn.Module]) -> torch.Tensor | None:
+    biases = [_bias(m) for m in linears]
+    if all(b is None for b in biases):
+        return None
+    parts = [b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
+             for b, m in zip(biases, linears)]
+    return torch.cat(parts)  # [sum of out features]
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] (nn.Linear) -> contiguous [in, out], used as x @ w.
+
+    MKL's fp32 sgemm is 1.3-1.6x faster for 4..72 rows with the weight in this layout
+    than with nn.Linear's (transposed B) on the CPUs measured; cuBLAS takes either.
+    """
+    return w.t().contiguous()  # [in, out]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in], w [in, out], bias [out] -> [T, out]."""
+    return torch.matmul(x, w) if bias is None else torch.addmm(bias, x, w)  # [T, out]
+
+
+def _extract_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int,
+                   window: int | None) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+    qk_norm = None
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over D, per head
+        q_w = attn.q_norm.weight.detach().expand(num_heads, head_dim)  # [Hq, D]
+        k_w = attn.k_norm.weight.detach().expand(num_kv_heads, head_dim)  # [Hkv, D]
+        qk_norm = torch.cat([q_w, k_w]).contiguous()  # [Hq+Hkv, D]
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv=_transposed(torch.cat([m.weight.detach() for m in qkv_mods])),
+        qkv_bias=_cat_bias(qkv_mods),
+        qk_norm=qk_norm,
+        o=_transposed(attn.o_proj.weight.detach()),
+        o_bias=_bias(attn.o_proj),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=_transposed(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+        gate_up_bias=_cat_bias((mlp.gate_proj, mlp.up_proj)),
+        down=_transposed(mlp.down_proj.weight.detach()),
+        down_bias=_bias(mlp.down_proj),
+        window=window,
+    )
+
+
+def _arch_of(model: torch.nn.Module, max_context: int) -> Arch:
+    c = model.config
+    num_heads = int(c.num_attention_heads)
+    num_kv_heads = int(getattr(c, "num_key_value_heads", None) or num_heads)
+    layer0 = model.get_decoder().layers[0]
+    head_dim = int(layer0.self_attn.q_proj.weight.shape[0]) // num_heads
+    num_layers = int(c.num_hidden_layers)
+    return Arch(num_layers=num_layers, hidden=int(c.hidden_size), num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim,
+                intermediate=int(layer0.mlp.gate_proj.weight.shape[0]),
+                vocab=int(model.get_output_embeddings().weight.shape[0]), eps=float(c.rms_norm_eps),
+                max_context=max_context, windows=_layer_windows(c, num_layers))
+
+
+def extract_weights(model: torch.nn.Module, arch: Arch, consume: bool = False) -> Weights:
+    """Fused plain tensors from a HF Llama-family model, in the model's dtype and device.
+
+    consume=True replaces each decoder layer of `model` by an empty module once it is copied,
+    so peak memory stays near one copy of the weights (the model is unusable afterwards).
+    """
+    decoder = model.get_decoder()
+    dtype = decoder.embed_tokens.weight.dtype
+    device = decoder.embed_tokens.weight.device
+    layers = []
+    for i in range(arch.num_layers):
+        layers.append(_extract_layer(decoder.layers[i], arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                     arch.windows[i]))
+        if consume:
+            decoder.layers[i] = torch.nn.Identity()
+    embed = model.get_input_embeddings().weight.detach()  # [V, hidden]
+    head = model.get_output_embeddings().weight.detach()  # [V, hidden]
+    lm_head = _transposed(head)  # [hidden, V]
+    if head.data_ptr() == embed.data_ptr():  # tied: one copy; rows of the embedding are strided reads
+        embed = lm_head.t()  # [V, hidden] (a view)
+    cos, sin = hf_compat.rope_tables(model, arch.max_context, dtype, device)  # [max_context, D] each
+    return Weights(embed=embed, layers=layers, final_norm=decoder.norm.weight.detach(),
+                   lm_head=lm_head, cos=cos, sin=sin)
+
+
+# ----------------------------------------------------------------------------------------
+# the KV pool and one step's inputs
+# ----------------------------------------------------------------------------------------
+@dataclass
+class KVPool:
+    k: torch.Tensor  # [layers, num_blocks*block_size, Hkv, D]
+    v: torch.Tensor  # [layers, num_blocks*block_size, Hkv, D]
+    block_size: int
+
+    @classmethod
+    def allocate(cls, arch: Arch, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device) -> "KVPool":
+        shape = (arch.num_layers, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
+        # zeros (not empty): the pages are touched now, so RSS shows the pool at startup,
+        # and never-written slots hold finite values (they are masked, but 0 * NaN is NaN)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   block_size)
+
+    def bytes_per_token(self) -> int:
+        layers, _, heads, dim = self.k.shape
+        return 2 * layers * heads * dim * self.k.element_size()
+
+
+@dataclass
+class StepInputs:
+    """Index tensors for one step (all on the model's device, int64 unless noted).
+
+    B sequences, T tokens in all, maxq = the longest chunk, MB = the most blocks any
+    sequence's table has after this step, R = logit rows wanted.
+    """
+
+    token_ids: torch.Tensor  # [T] token of each flat row
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    slots: torch.Tensor  # [T] pool slot each token's K/V is written to
+    query_index: torch.Tensor  # [B, maxq] flat row of each padded query (padding -> 0)
+    query_positions: torch.Tensor  # [B, maxq] position of each padded query (padding -> 0)
+    unpad_index: torch.Tensor  # [T] row in the flattened [B*maxq] padded layout of each token
+    block_tables: torch.Tensor  # [B, MB] block ids of each sequence (padding -> 0)
+    logit_rows: torch.Tensor  # [R] flat rows that need logits, in chunk order
+    logit_counts: tuple[int, ...]  # per chunk: how many of the R rows are its (Python)
+
+
+def attention_masks(query_positions: torch.Tensor, num_keys: int, group: int, windows: Sequence[int | None],
+                    dtype: torch.dtype) -> dict[int | None, torch.Tensor]:
+    """Additive masks (0 = attend, -inf = not) per distinct window, folded for GQA.
+
+    A query at position p sees key positions k <= p (and k > p - window on windowed layers).
+    Keys past a sequence's length always have k > p, so causality also masks the padding of
+    its gathered blocks and any stale slots after a rollback. Padded queries sit at p = 0:
+    they see key 0, which keeps their softmax finite; their rows are dropped.
+    Additive rather than boolean: SDPA would convert a boolean mask on every call (every layer).
+    Returns {window: [B, 1, maxq*G, num_keys]}.
+    """
+    b, maxq = query_positions.shape
+    key_pos = torch.arange(num_keys, device=query_positions.device)  # [C]
+    q_pos = query_positions.unsqueeze(-1)  # [B, maxq, 1]
+    causal = key_pos <= q_pos  # [B, maxq, C]
+    masks = {}
+    for window in set(windows):
+        allowed = causal if window is None else causal & (key_pos > q_pos - window)  # [B, maxq, C]
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, float("-inf"))  # [B, maxq, C]
+        additive = additive.unsqueeze(2).expand(b, maxq, group, num_keys)  # [B, maxq, G, C]
+        masks[window] = additive.reshape(b, 1, maxq * group, num_keys)  # [B, 1, maxq*G, C]
+    return masks
+
+
+# ----------------------------------------------------------------------------------------
+# the tensor function
+# ----------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] (or broadcastable) -> [..., N]; in float32 like transformers."""
+    xf = x.float()  # [..., N]
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., N]
+    return weight * xf.to(x.dtype)  # [..., N]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # same shape as x
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D] -> [T, H, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+    return x * cos + rotate_half(x) * sin  # [T, H, D]
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [S, Hkv, D] (one layer), block_tables [B, MB] -> [B, Hkv, MB*block_size, D].
+
+    One index_select of whole blocks (block_size*Hkv*D contiguous elements each); the result
+    is a transposed view of that copy (SDPA takes the strides as they are).
+    """
+    s, heads, dim = cache.shape
+    b, mb = block_tables.shape
+    blocks = cache.view(s // block_size, block_size, heads, dim)  # [NB, bs, Hkv, D]
+    picked = blocks.index_select(0, block_tables.reshape(-1))  # [B*MB, bs, Hkv, D]
+    return picked.view(b, mb * block_size, heads, dim).transpose(1, 2)  # [B, Hkv, C, D]
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, inputs: StepInputs,
+              mask: torch.Tensor, arch: Arch, block_size: int) -> torch.Tensor:
+    """q [T, Hq, D] (roped), caches [S, Hkv, D] holding this step's K/V -> [T, Hq*D]."""
+    b, maxq = inputs.query_index.shape
+    hkv, g, d = arch.num_kv_heads, arch.group, arch.head_dim
+    qp = q.index_select(0, inputs.query_index.reshape(-1))  # [B*maxq, Hq, D]
+    qp = qp.view(b, maxq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, maxq * g, d)  # [B, Hkv, maxq*G, D]
+    keys = gather_kv(k_cache, inputs.block_tables, block_size)  # [B, Hkv, C, D]
+    values = gather_kv(v_cache, inputs.block_tables, block_size)  # [B, Hkv, C, D]
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=arch.scale)  # [B, Hkv, maxq*G, D]
+    out = out.view(b, hkv, maxq, g, d).permute(0, 2, 1, 3, 4).reshape(b * maxq, hkv * g * d)  # [B*maxq, Hq*D]
+    return out.index_select(0, inputs.unpad_index)  # [T, Hq*D]
+
+
+def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, inputs: StepInputs, mask: torch.Tensor,
+                  arch: Arch, block_size: int) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]; writes this step's K/V into k_cache/v_cache [S, Hkv, D]."""
+    t = x.shape[0]
+    hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    h = rms_norm(x, lw.input_norm, arch.eps)  # [T, hidden]
+    qkv = linear(h, lw.qkv, lw.qkv_bias)  # [T, (Hq+2Hkv)*D]
+    qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)  # [T, Hq+Hkv, D]
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)  # [T, Hkv, D]
+    if lw.qk_norm is not None:
+        qk = rms_norm(qk, lw.qk_norm, arch.eps)  # [T, Hq+Hkv, D]
+    qk = apply_rope(qk, cos, sin)  # [T, Hq+Hkv, D]
+    k_cache.index_copy_(0, inputs.slots, qk[:, hq:])  # [S, Hkv, D] <- [T, Hkv, D]
+    v_cache.index_copy_(0, inputs.slots, v)  # [S, Hkv, D] <- [T, Hkv, D]
+    attn = attention(qk[:, :hq], k_cache, v_cache, inputs, mask, arch, block_size)  # [T, Hq*D]
+    x = x + linear(attn, lw.o, lw.o_bias)  # [T, hidden]
+    h = rms_norm(x, lw.post_norm, arch.eps)  # [T, hidden]
+    gate, up = linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
+    return x + linear(F.silu(gate) * up, lw.down, lw.down_bias)  # [T, hidden]
+
+
+def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch) -> torch.Tensor:
+    """One step over StepInputs -> logits [R, V] in the model dtype, on the model's device."""
+    x = weights.embed.index_select(0, inputs.token_ids)  # [T, hidden]
+    cos = weights.cos.index_select(0, inputs.positions)  # [T, D]
+    sin = weights.sin.index_select(0, inputs.positions)  # [T, D]
+    num_keys = inputs.block_tables.shape[1] * pool.block_size  # C
+    masks = attention_masks(inputs.query_positions, num_keys, arch.group, arch.windows,
+                            x.dtype)  # {window: [B, 1, maxq*G, C]}
+    for layer, lw in enumerate(weights.layers):
+        x = decoder_layer(x, lw, pool.k[layer], pool.v[layer], cos, sin, inputs, masks[lw.window], arch,
+                          pool.block_size)  # [T, hidden]
+    h = x.index_select(0, inputs.logit_rows)  # [R, hidden]
+    h = rms_norm(h, weights.final_norm, arch.eps)  # [R, hidden]
+    return linear(h, weights.lm_head)  # [R, V]
+
+
+# ----------------------------------------------------------------------------------------
+# the runner
+# ----------------------------------------------------------------------------------------
+def supports(config) -> bool:
+    """True for the model types this runner reproduces exactly."""
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    if hf_compat.rope_type(config) in _LENGTH_DEPENDENT_ROPE:
+        return False
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    return heads % kv_heads == 0
+
+
+class PagedLlamaRunner:
+    """A BatchRunner for the Llama family over a paged KV pool (see the module docstring)."""
+
+    def __init__(self, weights: Weights, arch: Arch, pool: KVPool, blocks: BlockManager, facts: ModelFacts,
+                 device: torch.device):
+        self.weights = weights
+        self.arch = arch
+        self.pool = pool
+        self.blocks = blocks
+        self.facts = facts
+        self.device = device
+
+    supports = staticmethod(supports)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
+             block_size: int = 16, max_seqs: int = 64) -> "PagedLlamaRunner":
+        """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up)."""
+        src = models.resolve(spec)
+        model = models.load_model(src, dtype, device)
+        tok = models.load_tokenizer(src)
+        num_blocks = max(1, -(-pool_tokens // block_size))
+        return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
+                          num_blocks, block_size, max_seqs, consume=True)
+
+    @classmethod
+    def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
+                      block_size: int = 16, max_seqs: int = 64) -> "PagedLlamaRunner":
+        """Build from a loaded HF model (left intact); without a tokenizer the fingerprint is vocab-V."""
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        fingerprint = models.tokenizer_fingerprint(tokenizer) if tokenizer is not None else f"vocab-{vocab}"
+        eos = models.eos_token_ids(tokenizer, model.config) if tokenizer is not None else []
+        return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=False)
+
+    @classmethod
+    def _build(cls, model, spec: str, fingerprint: str, eos: list[int], num_blocks: int, block_size: int,
+               max_seqs: int, consume: bool) -> "PagedLlamaRunner":
+        if not supports(model.config):
+            raise ValueError(f"PagedLlamaRunner does not support model_type={model.config.model_type!r} "
+                             f"(rope {hf_compat.rope_type(model.config)!r}); use the transformers runner")
+        blocks = BlockManager(num_blocks, block_size, max_seqs)
+        max_context = min(int(getattr(model.config, "max_position_embeddings", 2048)), blocks.capacity_tokens)
+        arch = _arch_of(model, max_context)
+        param = model.get_input_embeddings().weight
+        dtype, device = param.dtype, param.device
+        with torch.inference_mode():
+            weights = extract_weights(model, arch, consume=consume)
+            pool = KVPool.allocate(arch, num_blocks, block_size, dtype, device)
+        dtype_name = {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
+        facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,
+                           max_context=max_context, eos_token_ids=list(eos), dtype=dtype_name, device=str(device),
+                           weight_bytes=weights.nbytes(), kv_bytes_per_token=pool.bytes_per_token())
+        return cls(weights, arch, pool, blocks, facts, device)
+
+    # -- a step -------------------------------------------------------------------------
+    def _validate(self, chunks: Sequence[SeqChunk]) -> None:
+        seen: set[int] = set()
+        for c in chunks:
+            if c.seq in seen:
+                raise ValueError(f"sequence {c.seq} appears twice in one batch")
+            seen.add(c.seq)
+            try:
+                cached = self.blocks.length(c.seq)
+            except KeyError:
+                raise ValueError(f"unknown sequence {c.seq}") from None
+            n = len(c.tokens)
+            if n == 0:
+                raise ValueError(f"sequence {c.seq}: empty chunk")
+            if c.start != cached:
+                raise ValueError(f"sequence {c.seq}: chunk starts at {c.start} but {cached} tokens are cached")
+            if not 0 <= c.num_logits <= n:
+                raise ValueError(f"sequence {c.seq}: num_logits {c.num_logits} outside [0, {n}]")
+            if c.start + n > self.arch.max_context:
+                raise ValueError(f"sequence {c.seq}: positions up to {c.start + n - 1} pass the context "
+                                 f"limit {self.arch.max_context}")
+            if min(c.tokens) < 0 or max(c.tokens) >= self.arch.vocab:
+                raise ValueError(f"sequence {c.seq}: token ids outside [0, {self.arch.vocab})")
+
+    def _grow(self, chunks: Sequence[SeqChunk]) -> None:
+        """Make every table cover its chunk; all or nothing."""
+        done: list[SeqChunk] = []
+        try:
+            for c in chunks:
+                self.blocks.ensure(c.seq, c.start + len(c.tokens))
+                done.append(c)
+        except BaseException:
+            self.rollback(done)
+            raise
+
+    def rollback(self, chunks: Sequence[SeqChunk]) -> None:
+        """Undo `prepare`'s growth (for a caller whose step failed after prepare)."""
+        for c in chunks:
+            self.blocks.truncate(c.seq, c.start)
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> StepInputs:
+        """Validate, grow the block tables, and build the step's index tensors.
+
+        Raises ValueError (changing nothing) for a bad batch. A caller that runs the step
+        itself and fails afterwards calls `rollback(chunks)`.
+        """
+        if not chunks:
+            raise ValueError("empty batch")
+        self._validate(chunks)
+        self._grow(chunks)
+        try:
+            return self._index_tensors(chunks)
+        except BaseException:
+            self.rollback(chunks)
+            raise
+
+    def _index_tensors(self, chunks: Sequence[SeqChunk]) -> StepInputs:
+        maxq = max(len(c.tokens) for c in chunks)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_index: list[int] = []
+        query_positions: list[int] = []
+        unpad_index: list[int] = []
+        tables: list[list[int]] = []
+        logit_rows: list[int] = []
+        for b, c in enumerate(chunks):
+            n, row0 = len(c.tokens), len(token_ids)
+            token_ids.extend(c.tokens)
+            positions.extend(range(c.start, c.start + n))
+            slots.extend(self.blocks.slots(c.seq, c.start, n))
+            query_index.extend(list(range(row0, row0 + n)) + [0] * (maxq - n))
+            query_positions.extend(list(range(c.start, c.start + n)) + [0] * (maxq - n))
+            unpad_index.extend(range(b * maxq, b * maxq + n))
+            tables.append(self.blocks.table(c.seq))
+            logit_rows.extend(range(row0 + n - c.num_logits, row0 + n))
+        mb = max(len(t) for t in tables)
+        padded_tables = [t + [0] * (mb - len(t)) for t in tables]
+
+        def longs(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        b = len(chunks)
+        return StepInputs(
+            token_ids=longs(token_ids),  # [T]
+            positions=longs(positions),  # [T]
+            slots=longs(slots),  # [T]
+            query_index=longs(query_index).view(b, maxq),  # [B, maxq]
+            query_positions=longs(query_positions).view(b, maxq),  # [B, maxq]
+            unpad_index=longs(unpad_index),  # [T]
+            block_tables=longs(padded_tables).view(b, mb),  # [B, MB]
+            logit_rows=longs(logit_rows),  # [R]
+            logit_counts=tuple(c.num_logits for c in chunks),
+        )
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
+        """Append every chunk in one forward; per chunk, float32 CPU logits [num_logits, V]."""
+        inputs = self.prepare(chunks)
+        try:
+            logits = run_step(self.weights, self.pool, inputs, self.arch)  # [R, V]
+        except BaseException:
+            self.rollback(chunks)
+            raise
+        logits = logits.float().cpu()  # [R, V]
+        return list(logits.split(list(inputs.logit_counts)))  # per chunk [num_logits, V]
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Drop positions >= length; whole tail blocks go back to the pool (stale slots get overwritten)."""
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        self.blocks.truncate(seq, length)
+
+    def free(self, seq: int) -> None:
+        self.blocks.free(seq)

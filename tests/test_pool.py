@@ -1,0 +1,209 @@
+"""The fixed KV pool: block accounting, admission by reservation with a bounded wait, and what a
+client sees when the pool is full (through real service processes on tiny models)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import running, tiny_config, with_metrics
+from specdec import Client
+from specdec.errors import ResourceExhausted
+from specdec.lab.live import scrape_metrics
+from specdec.serving.admission import Admission
+from specdec.serving.blocks import BlockManager, PoolFull
+
+
+# -- the block manager ---------------------------------------------------------------------------
+
+def test_blocks_grow_roll_back_and_free():
+    bm = BlockManager(num_blocks=10, block_size=4, max_seqs=3)
+    a = bm.reserve(16)  # 4 blocks promised
+    assert bm.stats().reserved_blocks == 4 and bm.stats().used_blocks == 0  # lazily allocated
+    bm.ensure(a, 5)
+    assert len(bm.table(a)) == 2 and bm.length(a) == 5
+    assert bm.slots(a, 3, 3) == [bm.table(a)[0] * 4 + 3, bm.table(a)[1] * 4, bm.table(a)[1] * 4 + 1]
+    bm.ensure(a, 16)
+    assert bm.stats().used_blocks == 4
+    bm.truncate(a, 9)  # rollback: whole tail blocks return, the partly used one stays
+    assert len(bm.table(a)) == 3 and bm.length(a) == 9 and bm.stats().used_blocks == 3
+    with pytest.raises(ValueError, match="reserved"):
+        bm.ensure(a, 17)  # past its own reservation
+    bm.free(a)
+    bm.free(a)  # idempotent
+    s = bm.stats()
+    assert (s.used_blocks, s.reserved_blocks, s.sequences, s.free_blocks) == (0, 0, 0, 10)
+
+
+def test_reservations_never_overcommit_the_pool():
+    bm = BlockManager(num_blocks=10, block_size=4, max_seqs=8)
+    a, b = bm.reserve(20), bm.reserve(20)  # 5 + 5 blocks
+    with pytest.raises(PoolFull, match="unreserved"):
+        bm.reserve(1)
+    bm.ensure(a, 20)
+    bm.ensure(b, 20)  # every admitted sequence can grow to its worst case
+    assert bm.stats().free_blocks == 0
+    bm.free(a)
+    assert bm.can_reserve(20) and not bm.can_reserve(21)
+
+
+def test_no_leak_after_many_sessions():
+    bm = BlockManager(num_blocks=64, block_size=4, max_seqs=8)
+    live: list[int] = []
+    for i in range(2000):
+        if len(live) == 8 or (live and i % 3 == 0):
+            bm.free(live.pop(i % len(live)))
+        worst = 4 + i % 28
+        seq = bm.reserve(worst)
+        bm.ensure(seq, min(worst, 1 + i % 30))
+        bm.truncate(seq, i % 4)
+        bm.ensure(seq, i % 4 + 1)
+        live.append(seq)
+    for seq in live:
+        bm.free(seq)
+    s = bm.stats()
+    assert (s.used_blocks, s.reserved_blocks, s.sequences) == (0, 0, 0)
+    assert sorted(bm._free_blocks) == list(range(64)) and sorted(bm._free_ids) == list(range(8))
+
+
+# -- admission -----------------------------------------------------------------------------------
+
+def test_a_newcomer_waits_for_room_then_gets_it():
+    bm = BlockManager(num_blocks=8, block_size=4, max_seqs=4)
+    adm = Admission(bm, wait_s=5.0, max_waiting=4)
+
+    async def go():
+        first = await adm.reserve(32)  # the whole pool
+        waiter = asyncio.ensure_future(adm.reserve(16))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and adm.waiting == 1
+        bm.free(first)
+        adm.released()
+        return await asyncio.wait_for(waiter, 2)
+
+    seq = asyncio.run(go())
+    assert bm.stats().reserved_blocks == 4 and seq in bm._seqs
+
+
+def test_a_full_pool_refuses_after_the_wait_and_leaves_nothing_behind():
+    bm = BlockManager(num_blocks=8, block_size=4, max_seqs=4)
+    adm = Admission(bm, wait_s=0.2, max_waiting=1)
+
+    async def go():
+        await adm.reserve(32)
+        t0 = time.monotonic()
+        with pytest.raises(ResourceExhausted, match="stayed full for 0.2 s"):
+            await adm.reserve(8)
+        assert time.monotonic() - t0 >= 0.2
+        slow = asyncio.ensure_future(adm.reserve(8))  # queue bound 1: the next one is refused at once
+        await asyncio.sleep(0.01)
+        with pytest.raises(ResourceExhausted, match="already waiting"):
+            await adm.reserve(8)
+        slow.cancel()  # a waiter that gives up leaves no reservation
+        await asyncio.gather(slow, return_exceptions=True)
+        with pytest.raises(ResourceExhausted, match="whole target KV pool|whole KV pool"):
+            await adm.reserve(33)  # more than the pool: never, refused at once
+
+    asyncio.run(go())
+    assert bm.stats().reserved_blocks == 8 and adm.waiting == 0 and adm.refused == 3
+
+
+def test_waiters_are_admitted_in_order():
+    bm = BlockManager(num_blocks=4, block_size=4, max_seqs=8)
+    adm = Admission(bm, wait_s=5.0, max_waiting=8)
+
+    async def go():
+        held = await adm.reserve(16)
+        order: list[int] = []
+
+        async def wait(i, tokens):
+            await adm.reserve(tokens)
+            order.append(i)
+        tasks = [asyncio.ensure_future(wait(i, t)) for i, t in enumerate((12, 4, 4))]
+        await asyncio.sleep(0.05)
+        bm.free(held)
+        adm.released()  # 12 fits first, then 4; the last 4 does not fit yet
+        await asyncio.sleep(0.05)
+        assert order == [0, 1]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+# -- through the services ----------------------------------------------------------------------------
+
+def pool_stack(tiny_models, tmp_path_factory, wait_s: float):
+    cfg = with_metrics(tiny_config(tiny_models))
+    cfg.target.kv_pool_tokens = 512  # 32 blocks of 16
+    cfg.target.admission_wait_s = wait_s
+    return running(cfg, tmp_path_factory.mktemp("small-pool"))
+
+
+@pytest.fixture(scope="module")
+def small_pool_stack(tiny_models, tmp_path_factory):
+    with pool_stack(tiny_models, tmp_path_factory, 0.2) as stack:  # short: the holder is still running
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def patient_pool_stack(tiny_models, tmp_path_factory):
+    with pool_stack(tiny_models, tmp_path_factory, 30.0) as stack:
+        yield stack
+
+
+def test_a_full_pool_queues_then_refuses_the_newcomer_while_running_sessions_finish(small_pool_stack):
+    addr = small_pool_stack.address("orchestrator")
+    results: dict[str, object] = {}
+
+    def hold(name, n):
+        with Client(addr) as c:
+            results[name] = c.complete(token_ids=list(range(100, 300)), max_tokens=n, ignore_eos=True,
+                                   mode="target-only").token_ids
+
+    with Client(addr) as c:
+        reference = c.complete(token_ids=list(range(100, 300)), max_tokens=250, ignore_eos=True,
+                               mode="target-only").token_ids
+        holder = threading.Thread(target=hold, args=("holder", 250))  # 200 + 250 + 5 of the 512 tokens
+        holder.start()
+        deadline = time.monotonic() + 10
+        while int(c.info()["target"].get("active_sessions", 0)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(token_ids=list(range(100, 200)), max_tokens=40, ignore_eos=True)
+        waited = time.monotonic() - t0
+        holder.join(60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "target KV pool stayed full for 0.2 s" in e.value.details()
+    assert 0.2 <= waited < 5.0  # it waited in the queue first
+    assert results["holder"] == reference  # the running session was not affected
+    cfg = small_pool_stack.cfg
+    m = scrape_metrics(cfg.target.host, cfg.target.metrics_port)
+    assert m['specdec:requests_refused_for_capacity_total{service="target"}'] >= 1
+    assert m['specdec:kv_blocks_total{service="target"}'] == 32
+    assert m['specdec:kv_blocks_used{service="target"}'] == 0 and m['specdec:kv_blocks_free{service="target"}'] == 32
+
+
+def test_a_queued_newcomer_is_admitted_when_room_comes_back(patient_pool_stack):
+    addr = patient_pool_stack.address("orchestrator")
+    done = threading.Event()
+
+    def hold():
+        with Client(addr) as c:
+            c.complete(token_ids=list(range(100, 300)), max_tokens=60, ignore_eos=True, k=4)
+        done.set()
+
+    with Client(addr) as c:
+        holder = threading.Thread(target=hold)
+        holder.start()
+        while int(c.info()["target"].get("active_sessions", 0)) == 0 and not done.is_set():
+            time.sleep(0.01)
+        # needs 200 + 100 + 9 tokens: does not fit next to the holder's 269; fits once it ends
+        res = c.complete(token_ids=list(range(100, 300)), max_tokens=100, ignore_eos=True, k=4)
+        holder.join(60)
+    assert len(res.token_ids) == 100
