@@ -251,15 +251,18 @@ class Orchestrator:
         self.decode = decode
         self.config = config or OrchestratorConfig()
         self.default_mode = Mode.parse(self.config.default_mode)
+        self.speculating = 0  # requests running in a speculative mode now (they share the draft)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
         run = self._start(self.validate(req))
+        self.speculating += run.wants_draft
         try:
             yield await self._open(run)
             while not run.finish_reason:
                 yield await self._round(run)
             yield self._summary(run)
         finally:
+            self.speculating -= run.wants_draft
             await run.close()
 
     async def _round(self, run: Run) -> Event:
@@ -378,9 +381,17 @@ class Orchestrator:
             await self._drop_draft(run, e)
         return None
 
+    def _k_under_load(self, run: Run) -> int:
+        """The request's k, shared out when more requests speculate than the draft can serve:
+        together they ask at most draft_token_budget draft tokens per round (never under 1 each)."""
+        budget = self.config.draft_token_budget
+        if budget <= 0 or self.speculating <= 1:
+            return run.req.k
+        return max(1, min(run.req.k, budget // self.speculating))
+
     def _round_k(self, run: Run) -> int:
         room = self.backends.target.max_context - len(run.committed) - 1
-        return max(0, min(run.req.k, run.remaining - 1, room))
+        return max(0, min(self._k_under_load(run), run.remaining - 1, room))
 
     async def _get_drafts(self, run: Run, k: int) -> Drafts:
         ready, run.ready = run.ready, None
@@ -399,7 +410,7 @@ class Orchestrator:
         """Pipelined: draft k+1 tokens after this round's drafts while the target verifies them."""
         room = self.backends.target.max_context - len(run.committed) - 1
         n = len(drafts.tokens)
-        spec_k = min(run.req.k + 1, run.remaining - n - 1, room - n - 1)
+        spec_k = min(self._k_under_load(run) + 1, run.remaining - n - 1, room - n - 1)
         if run.req.mode != Mode.PIPELINED or run.draft is None or not drafts.tokens or spec_k <= 0:
             return None
         return Speculation(asyncio.ensure_future(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate every number in BENCHMARKS.md on this machine (run it on an otherwise idle machine;
-# about 2.5 hours on 2 CPU cores), then copy the tables and plots it quotes into docs/bench/.
+# about 3.5 hours on 2 CPU cores), then copy the tables and plots it quotes into docs/bench/.
 #   ./scripts/bench_all.sh [out-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,14 @@ out=${1:-bench-results}
 ./scripts/build_llamacpp_peer.sh            # llama.cpp's own speculative example (the CPU peer)
 # 1. side by side: our three modes and the peers, outputs of 128 and 256 tokens (~25 min)
 specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 --out "$out/compare"
+# 1b. the same with the llama.cpp target engine (~12 min)
+specdec bench --config scripts/configs/llamacpp-target.toml --runs 3 --prompts 2 --workloads chat,code \
+  --max-tokens 128,256 --k 8 --systems target-only,sequential,pipelined --out "$out/compare-llamacpp"
+# 6. the serving core: the cost of one batched forward per runner and shape (~10 min), and the
+#    concurrency sweep, 1-16 clients, every system (~30 min)
+specdec bench --steps --runs 5 --out "$out/steps"
+specdec bench --concurrency 1,2,4,8,16 --max-tokens 128 --runs 2 --requests-per-client 1 --load-prompts 32 \
+  --no-progress --out "$out/load"
 # 2. the full study on the default pair: k 1-16 in both modes + target-only, outputs of 128 and 256 tokens,
 #    the 3 x 4 target x draft temperature grid, acceptance by position, ideal bound and efficiency;
 #    one prompt from each of the 4 workloads, 3 runs per cell (~95 min)
@@ -26,4 +34,8 @@ cp "$out"/study/*.png docs/bench/
 cp "$out/drafts/study.md" docs/bench/drafts-study.md
 cp "$out/drafts/acceptance_by_position.png" docs/bench/drafts-acceptance_by_position.png
 cp "$out/tune/tune.md" docs/bench/tune.md
+cp "$out/compare-llamacpp/compare.md" docs/bench/compare-llamacpp.md
+cp "$out/steps/steps.md" docs/bench/steps.md
+cp "$out/load/load.md" docs/bench/load.md
+cp "$out/load/concurrency.png" docs/bench/concurrency.png
 echo "bench_all: results in $out/, quoted copies in docs/bench/"

@@ -175,6 +175,33 @@ def test_bench_end_to_end_tiny(tmp_path):
 
 
 @pytest.mark.slow
+def test_concurrency_sweep_end_to_end_tiny(tmp_path):
+    """`specdec bench --concurrency`: every mode at 1 and 2 clients through the real services;
+    every request gets all its tokens, ratios are per run, the report has its table and plot."""
+    out = tmp_path / "load"
+    rc = main(["bench", "--tiny", "--concurrency", "1,2", "--max-tokens", "6", "--runs", "2", "--requests-per-client",
+               "2", "--load-prompts", "3", "--load-peers", "", "--target-engines", "torch", "--k", "2",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads((out / "load.json").read_text())
+    systems = {f"{m}/torch" for m in ("target-only", "sequential", "pipelined")}
+    assert {p["system"] for p in doc["points"]} == systems
+    for p in doc["points"]:
+        assert not p["error"] and len(p["requests"]) == 2 * p["clients"], p
+        assert all(r["tokens"] == 6 and 0 < r["ttft_s"] <= r["total_s"] for r in p["requests"]), p
+        assert p["tok_s"] == pytest.approx(p["tokens"] / p["seconds"])
+    for s in systems:
+        row = doc["table"][s]["2"]
+        assert row["tok_s"]["n"] == 2 and row["requests"] == 8 and row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        r = doc["ratios"][f"{s} @2 / @1"]
+        by_run = {(p["clients"], p["run"]): p["tok_s"] for p in doc["points"] if p["system"] == s}
+        assert r["n"] == 2 and r["min"] <= by_run[(2, 0)] / by_run[(1, 0)] <= r["max"]
+    assert doc["memory"]["torch"]["requests"] == 3 * (2 + 4) * 2 and doc["memory"]["torch"]["pool"]["target"] > 0
+    assert "| pipelined/torch | 2 |" in (out / "load.md").read_text()
+    assert _png(out / "concurrency.png")
+
+
+@pytest.mark.slow
 def test_tune_end_to_end_tiny_and_rerun_from_cache(tmp_path):
     out = tmp_path / "tune"
     args = ["tune", "--tiny", "--out", str(out), "--workloads", "code", "--prompts", "1", "--max-tokens", "8",

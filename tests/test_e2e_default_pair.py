@@ -1,7 +1,9 @@
 """End to end through the real services on the default pair (no mocks).
 
-Exactness: for 20 prompts from ShareGPT and HumanEval, 64 greedy tokens each, every mode
-outputs exactly what transformers `generate` outputs with the target alone.
+Exactness: for 10 prompts from ShareGPT and HumanEval, 64 greedy tokens each, one request at
+a time (so at the full k = 8), every mode outputs exactly what transformers `generate` outputs
+with the target alone. All 20 prompts, 8 clients at once (k shared out under load), are in
+test_serving_e2e.py.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("mode", ["target-only", "sequential", "pipelined"])
 def test_greedy_output_identical_to_transformers_generate(default_stack, prompts, references, mode):
     addr = default_stack.address("orchestrator")
+    prompts = prompts[:10]
     with Client(addr) as c:
         mismatches = []
         for pid, ids in prompts:

@@ -250,3 +250,32 @@ def test_eos_and_stop_are_found_in_what_is_new():
     assert "".join(chr(97 + t % 26) for t in tokens)[:cut] == text[:cut]
     assert len(tokens) == cut + len(stop)  # one character per token: the stop's last token ends it
     assert closed_everything(w)
+
+
+@pytest.mark.parametrize("mode", [Mode.SEQUENTIAL, Mode.PIPELINED])
+def test_k_is_shared_out_when_many_requests_speculate_and_the_output_is_unchanged(mode):
+    """4 requests at once with k = 8 and a draft token budget of 8: each round drafts 2 tokens
+    while all 4 run, and the full k again once it runs alone; outputs stay target-only."""
+    w = World(verify_s=0.001, draft_s=0.001)
+    orch = Orchestrator(w, decode=lambda ids: "", config=OrchestratorConfig(probe_interval_s=0.0,
+                                                                          draft_token_budget=8))
+
+    async def one(n: int):
+        ks, tokens = [], []
+        async for ev in orch.generate(GenerationRequest(PROMPT, n, k=8, mode=mode, ignore_eos=True)):
+            tokens += ev.token_ids
+            if ev.round is not None:
+                ks.append((ev.round.k, orch.speculating))
+        assert tokens == reference(PROMPT, n)
+        return ks
+
+    async def go():
+        return await asyncio.gather(one(40), one(40), one(40), one(200))
+
+    results = asyncio.run(go())
+    assert orch.speculating == 0
+    together = [k for ks in results for k, running in ks if running == 4]
+    alone = [k for k, running in results[3] if running == 1]
+    assert together and max(together) <= 2, together
+    assert alone and max(alone) == 8, alone
+    assert closed_everything(w)

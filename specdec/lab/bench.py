@@ -175,6 +175,68 @@ def run_compare(a) -> dict:
     return result
 
 
+def run_load(a) -> dict:
+    """`specdec bench --concurrency ...`: see specdec/lab/load.py."""
+    from specdec.lab import load
+    from specdec.lab.live import scrape_metrics
+    from specdec.lab.report import load_markdown, load_plot
+    from specdec.launcher import free_port
+
+    out = Path(a.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    a.max_tokens = parse_int_ranges(a.max_tokens)[0]
+    prompts = default_prompts("chat", a.load_prompts, a.seed)
+    stacks = {}
+
+    def memory(stack) -> tuple[dict, dict]:
+        rss, pool = {}, {}
+        for svc in ("target", "draft", "orchestrator"):
+            c = getattr(stack.cfg, svc)
+            m = scrape_metrics(c.host, c.metrics_port)
+            rss[svc] = m[f'specdec:memory_rss_bytes{{service="{svc}"}}']
+            if f'specdec:kv_blocks_total{{service="{svc}"}}' in m:
+                pool[svc] = int(m[f'specdec:kv_blocks_total{{service="{svc}"}}']
+                                * m[f'specdec:kv_block_size{{service="{svc}"}}'])
+        return rss, pool
+
+    mem: dict[str, dict] = {}
+    try:
+        for engine in [e for e in a.target_engines.split(",") if e]:
+            cfg, _ = base_config(a, out)
+            cfg.target.engine = engine
+            for svc in (cfg.target, cfg.draft, cfg.orchestrator):
+                svc.metrics_port = free_port()
+            stacks[engine] = start_stack(cfg, out / "logs" / engine)
+            mem[engine] = {"start": memory(stacks[engine])[0]}
+        for engine, stack in stacks.items():  # warm-up: one short request per mode
+            for mode in OURS:
+                OurSystem(stack.address("orchestrator")).run(mode, prompts[:1], 8, a.k)
+
+        def show(p: load.Point) -> None:
+            print(f"run {p.run + 1} C={p.clients:<3} {p.system:<24} "
+                  + (f"{p.tok_s:7.1f} tok/s" if not p.error else f"failed: {p.error}"), file=sys.stderr, flush=True)
+
+        points = load.run_sweep(a, prompts, {e: s.address("orchestrator") for e, s in stacks.items()}, out, show)
+        for engine, stack in stacks.items():
+            end, pool = memory(stack)
+            served = sum(len(p.requests) for p in points if p.system.endswith("/" + engine))
+            mem[engine].update(end=end, pool=pool, requests=served)
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    result = {"command": "specdec bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "specdec bench",
+              "settings": {"concurrency": a.concurrency, "max_tokens": a.max_tokens, "k": a.k, "runs": a.runs,
+                           "requests_per_client": a.requests_per_client, "target_engines": a.target_engines,
+                           "prompts": [p.id for p in prompts]},
+              **load.summarize(points), "memory": mem, "points": load.points_json(points)}
+    (out / "load.json").write_text(json.dumps(result, indent=2))
+    md = load_markdown(result)
+    (out / "load.md").write_text(md)
+    load_plot(out, result)
+    print(md)
+    return result
+
+
 RATIOS = [("pipelined", "target-only"), ("pipelined", "sequential"), ("pipelined", "hf-assisted"),
           ("pipelined", "hf-generate"), ("pipelined", "llamacpp-spec"), ("sequential", "target-only"),
           ("hf-assisted", "hf-generate")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdec.lab import bench, report, study, tune
+from specdec.lab import bench, report, steps, study, tune
 from specdec.lab.analysis import SPECULATIVE
 
 
@@ -35,7 +35,19 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--systems", default=",".join(bench.OURS + bench.PEERS))
     b.add_argument("--peer-threads", type=int, default=2)
     b.add_argument("--out", default="bench-results")
-    b.set_defaults(fn=lambda a: bench.run_compare(a) and 0)
+    g = b.add_argument_group("many clients at once (specdec/lab/load.py)")
+    g.add_argument("--concurrency", help="run the concurrency sweep instead: numbers of clients, e.g. 1,2,4,8,16 "
+                                         "(--max-tokens is then one length, the first given)")
+    g.add_argument("--load-peers", default="llama-server,hf-continuous-batching", help="the sweep's peers")
+    g.add_argument("--target-engines", default="torch,llamacpp", help="the sweep's target engines (one stack each)")
+    g.add_argument("--requests-per-client", type=int, default=2)
+    g.add_argument("--load-prompts", type=int, default=32, help="ShareGPT chat prompts the clients cycle through")
+    s = b.add_argument_group("the cost of one batched forward (specdec/lab/steps.py)")
+    s.add_argument("--steps", action="store_true", help="measure step costs per runner and batch shape instead")
+    s.add_argument("--step-variants", default="torch-fp32,torch-bf16,llamacpp-f32,llamacpp-f16,llamacpp-q8_0,"
+                                              "llamacpp-q4_1")
+    b.set_defaults(fn=lambda a: (steps.run_steps(a) if a.steps else bench.run_load(a) if a.concurrency
+                                 else bench.run_compare(a)) and 0)
 
 
 def add_study_parser(sub) -> None:

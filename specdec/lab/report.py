@@ -353,3 +353,56 @@ def tune_markdown(res: dict) -> str:
                  f"{fmt_opt(m['draft_temperature'])} | {m['tok_s']:.1f} | {m['spread']['spread_pct']:.0f} | "
                  f"{m['acceptance_rate']:.2f} | {m['tag']} | {'yes' if m.get('cached') else ''} |")
     return "\n".join(L) + "\n"
+
+
+def load_markdown(result: dict) -> str:
+    """The concurrency sweep: one row per system and number of clients, the ratios, and memory."""
+    s = result["settings"]
+    lines = [f"Command: `{result['command']}`", "",
+             f"{s['max_tokens']} new tokens per request (greedy, EOS ignored), {s['requests_per_client']} requests "
+             f"per client, k = {s['k']}, {s['runs']} runs; tok/s = all tokens / wall time (median, min-max over "
+             f"runs); TTFT and TPOT percentiles over all requests of all runs.", "",
+             "| system | clients | tok/s | min | max | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for system, by_c in result["table"].items():
+        for c, row in by_c.items():
+            t = row["tok_s"]
+            if t is None:
+                lines.append(f"| {system} | {c} | failed: {'; '.join(row['errors'])[:120]} | | | | | | |")
+                continue
+            lat = "| | | | |" if not row["requests"] else (
+                f"| {row['ttft_p50_ms']:.0f} | {row['ttft_p99_ms']:.0f} | {row['tpot_p50_ms']:.1f} | "
+                f"{row['tpot_p99_ms']:.1f} |")
+            lines.append(f"| {system} | {c} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} {lat}")
+    lines += ["", "| ratio (per run, side by side) | median | min | max |", "|---|---|---|---|"]
+    for name, r in result["ratios"].items():
+        lines.append(f"| {name} | {r['median']:.2f}× | {r['min']:.2f}× | {r['max']:.2f}× |")
+    mem = result.get("memory", {})
+    if mem:
+        lines += ["", "| engine | service | RSS at start MiB | RSS after the sweep MiB | requests served | "
+                      "KV pool tokens |", "|---|---|---|---|---|---|"]
+        for engine, m in mem.items():
+            for svc in ("target", "draft", "orchestrator"):
+                lines.append(f"| {engine} | {svc} | {m['start'][svc] / 2**20:.0f} | {m['end'][svc] / 2**20:.0f} | "
+                             f"{m['requests']} | {m['pool'].get(svc, '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def load_plot(out: Path, result: dict) -> str:
+    """Aggregate tok/s against the number of clients, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, by_c in result["table"].items():
+        pts = [(int(c), row["tok_s"]["median"]) for c, row in by_c.items() if row["tok_s"]]
+        if pts:
+            xs, ys = zip(*sorted(pts))
+            ax.plot(xs, ys, marker="o", label=system, linestyle="--" if "/" not in system else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tok/s")
+    ax.set_title(f"Aggregate throughput, {result['settings']['max_tokens']} new tokens per request")
+    return _save_plot(fig, [ax], out / "concurrency.png")
