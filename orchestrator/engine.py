@@ -242,6 +242,11 @@ class Run:
             await quietly(self.draft.close(), "draft session close")
 
 
+# the smallest k worth a draft step under load: with the default pair on this CPU, k = 1 at
+# 8 clients gave 44 tok/s against 53 without drafts (BENCHMARKS.md §6)
+MIN_SHARED_K = 2
+
+
 # -- the engine -------------------------------------------------------------------------------------
 
 class Orchestrator:
@@ -383,11 +388,13 @@ class Orchestrator:
 
     def _k_under_load(self, run: Run) -> int:
         """The request's k, shared out when more requests speculate than the draft can serve:
-        together they ask at most draft_token_budget draft tokens per round (never under 1 each)."""
+        together they ask at most draft_token_budget draft tokens per round; a share under
+        MIN_SHARED_K means rounds without drafts (they would cost the draft more than they save)."""
         budget = self.config.draft_token_budget
         if budget <= 0 or self.speculating <= 1:
             return run.req.k
-        return max(1, min(run.req.k, budget // self.speculating))
+        share = min(run.req.k, budget // self.speculating)
+        return share if share >= MIN_SHARED_K else 0
 
     def _round_k(self, run: Run) -> int:
         room = self.backends.target.max_context - len(run.committed) - 1

@@ -78,10 +78,11 @@ class OrchestratorConfig(ServiceConfig):
     draft_address: str = "127.0.0.1:50053"  # "" = no draft service
     default_k: int = 8
     max_k: int = 32
-    # draft tokens per round that all requests speculating at once may ask for together: with more
-    # of them, each one's k is min(k, budget // requests), at least 1, so that the draft (one core,
-    # batching little) does not become every request's bottleneck; 0 = no limit (BENCHMARKS.md §6)
-    draft_token_budget: int = 16
+    # draft tokens per round that all requests speculating at once may ask for together: with n of
+    # them, each one's k is min(k, budget // n), and 0 (rounds without drafts) when that is under 2,
+    # so that the draft (one core, batching little on CPU) does not become every request's
+    # bottleneck; 0 = no limit (BENCHMARKS.md §6)
+    draft_token_budget: int = 8
     default_mode: str = "pipelined"  # pipelined | sequential | target-only
     # draft sampling when a sampled request sets none; < 0 = the target's own temperature/top-k/top-p
     # (measured best for the default pair: BENCHMARKS.md, "Sampled requests")
