@@ -135,5 +135,8 @@ def default_stack(tmp_path_factory):
 
     cfg = with_metrics(local_config())
     cfg.orchestrator.probe_interval_s = 0.5
+    # 8 clients at once still draft at the full k (the default budget would run their rounds
+    # without drafts): the concurrent tests check batched verifies of real drafts
+    cfg.orchestrator.draft_token_budget = 0
     with running(cfg, tmp_path_factory.mktemp("default-stack"), 600) as stack:
         yield stack

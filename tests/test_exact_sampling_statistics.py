@@ -118,7 +118,10 @@ def built_stack(runners, max_support: int = 64):
     assert te.runner.facts.fingerprint == de.facts.fingerprint == f"vocab-{V}"
     backends = LocalBackends(te, de)
     try:
-        yield Stack(Orchestrator(backends, decode=lambda ids: ""), backends, te, de)
+        # every generation drafts at its own k, however many run at once (no load sharing of k:
+        # this file checks the sampling math, and k = 0 rounds would test nothing)
+        config = OrchestratorConfig(draft_token_budget=0)
+        yield Stack(Orchestrator(backends, decode=lambda ids: "", config=config), backends, te, de)
     finally:
         backends.stop()
 

@@ -86,11 +86,39 @@ def llamacpp_greedy(prompts: list[tuple[str, list[int]]], n: int) -> dict[str, l
     return refs
 
 
+# llama.cpp is not batch-invariant: a decode call of one token takes another matmul path than a
+# call of several (measured on the F32 target: max |logit difference| 1.4e-3 for the same row
+# decoded alone or next to others, 2.4e-3 for row 0 of a 9-token verify against a 1-token
+# decode), and a verify always feeds k+1 tokens. So the llama.cpp engine's greedy output can
+# leave llama.cpp's own one-token-at-a-time decoding only where that decoding's top two
+# logits are closer than this (a near-tie); anywhere else a difference fails the test.
+LLAMACPP_TIE = 1e-2
+
+
+def llamacpp_margin(prompt: list[int], ref: list[int], at: int, other: int) -> float:
+    """logit(ref[at]) - logit(other) after prompt + ref[:at], decoded as the reference decodes it
+    (the prompt in one call, then one token per call), with the engine's own runner."""
+    from specdec.serving.batch import SeqChunk
+    from specdec.serving.llamacpp import LlamaCppRunner, gguf_variant
+
+    r = LlamaCppRunner.load(str(gguf_variant(models.DEFAULT_TARGET_MODEL, "f32")), 2048, 1, 2, 512, 16,
+                            kv_unified=False)
+    try:
+        seq = r.blocks.reserve(len(prompt) + at + 1)
+        (logits,) = r.forward([SeqChunk(seq, prompt, 0, 1)])
+        for i, t in enumerate(ref[:at]):
+            (logits,) = r.forward([SeqChunk(seq, [t], len(prompt) + i, 1)])
+        return float(logits[-1, ref[at]] - logits[-1, other])
+    finally:
+        r.close()
+
+
 @pytest.fixture(scope="module")
 def llamacpp_stack(tmp_path_factory):
     cfg = with_metrics(local_config())
     cfg.target.engine = "llamacpp"  # the F32 copy of the shipped file (target.gguf_type)
     cfg.orchestrator.probe_interval_s = 0.5
+    cfg.orchestrator.draft_token_budget = 0  # as in default_stack: 8 clients draft at the full k
     with running(cfg, tmp_path_factory.mktemp("llamacpp-target"), 600) as stack:
         yield stack
 
@@ -116,6 +144,15 @@ def test_greedy_outputs_under_8_concurrent_clients_equal_target_only(engine, req
     after = scrape_metrics(cfg.target.host, cfg.target.metrics_port)
     mismatches = sorted({(pid, mode) for (pid, mode), toks in outs.items() if toks != refs[pid]})
     assert len(outs) == len(jobs)
+    if engine == "llamacpp":  # differences only at near-ties (see LLAMACPP_TIE), and reported
+        ids = dict(prompts)
+        for pid, mode in mismatches:
+            ours, ref = outs[(pid, mode)], refs[pid]
+            at = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+            margin = llamacpp_margin(ids[pid], ref, at, ours[at])
+            print(f"\n[llama.cpp near-tie] {pid} {mode}: token {at} differs, reference margin {margin:.2e}")
+            assert 0 <= margin < LLAMACPP_TIE, (pid, mode, at, margin)
+        mismatches = []
     assert not mismatches, f"{len(mismatches)} of {len(jobs)} outputs differ: {mismatches}"
     s, n = (after[f'specdec:step_sequences_{x}{{service="target"}}'] - before.get(f'specdec:step_sequences_{x}{{service="target"}}', 0)
             for x in ("sum", "count"))
