@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
-import statistics
 import subprocess
 import threading
 import time
@@ -142,12 +140,11 @@ class LlamaServer:
     def __init__(self, slots: int, k: int, ctx_per_slot: int = 2048, threads: int = 2, log: Path | None = None):
         from specdec import models
         from specdec.lab import peers
+        from specdec.launcher import free_port
         from specdec.serving.llamacpp import gguf_variant
 
         peers.ensure_llamacpp_built()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(peers.llamacpp_binary("llama-server")), "-m", str(gguf_variant(models.DEFAULT_TARGET_MODEL, "f32")),
                "--model-draft", str(models.resolve(models.DEFAULT_DRAFT_MODEL).gguf_path),
@@ -303,7 +300,3 @@ def ratios(points: list[Point]) -> dict[str, dict]:
 
 def points_json(points: list[Point]) -> list[dict]:
     return [asdict(p) | {"tok_s": p.tok_s} for p in points]
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
