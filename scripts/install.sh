@@ -23,7 +23,8 @@ $PY -m pip install -q --disable-pip-version-check --no-deps \
 # flags win over -march=native in GCC. A build made with other flags is replaced.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_BUILD="GGML_NATIVE=ON CFLAGS=$NO_AMX"
-llama_stamp() { $PY -c "import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), '.specdec-build'))" 2>/dev/null; }
+# (found without importing llama_cpp: its Python dependencies are installed only in the last step)
+llama_stamp() { $PY -c "import importlib.util as u, os; s = u.find_spec('llama_cpp'); print(os.path.join(os.path.dirname(s.origin), '.specdec-build'))" 2>/dev/null; }
 stamp_file=$(llama_stamp || true)
 if [ -z "$stamp_file" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$LLAMA_BUILD" ]; then
   CMAKE_ARGS="-DGGML_NATIVE=ON" CFLAGS="$NO_AMX" CXXFLAGS="$NO_AMX" \
