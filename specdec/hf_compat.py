@@ -8,6 +8,11 @@ Pinned: transformers 5.24 on this machine (the GPU image has 5.17). Decisions:
   which means the same thing in both versions;
 - GGUF-loaded models carry a quantizer that refuses `save_pretrained`; `plain_copy`
   rebuilds the dequantized model without it so that it can be cached on disk.
+
+torch's private int4 weight-only matmul for CPU (`torch._weight_int4pack_mm_for_cpu`, the
+kernel gpt-fast and torchao use on CPU) is also wrapped here: pinned torch 2.13; it takes
+bf16 activations only (fp32 runs a reference path ~30x slower), and the CUDA op packs
+differently, so `int4_pack`/`int4_matmul` are CPU-only.
 """
 from __future__ import annotations
 
@@ -97,3 +102,15 @@ def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
 def chat_text(tokenizer, messages: list[dict]) -> str:
     """The same chat rendered as text (what a text-prompt peer such as llama.cpp is given)."""
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+# -- torch's private int4 ops (CPU) -----------------------------------------------------------------
+def int4_pack(codes: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] int32 in 0..15 -> torch's packed CPU int4 layout (opaque)."""
+    return torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """x [T, in] bf16 @ the packed weight, w = (q - 8) * scale + zero per group of `group` rows
+    of `in`; scales_zeros [in/group, out, 2] bf16 -> [T, out] bf16."""
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)

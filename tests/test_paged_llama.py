@@ -8,6 +8,7 @@ import torch
 
 from specdec import hf_compat
 from specdec.serving.batch import SeqChunk
+from specdec.serving.int4 import GROUP, Int4Weight
 from specdec.serving.paged_llama import PagedLlamaRunner, supports
 
 VOCAB = 128
@@ -250,6 +251,53 @@ def test_bfloat16_runs():
     (got,) = r.forward([SeqChunk(seq, tokens, 0, 12)])
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, reference(model, tokens), atol=0.1, rtol=0.05)
+
+
+def test_int4_weight_finds_a_4bit_grid_again():
+    """A matrix already on 16 levels per group of 32 inputs (a Q4_1 GGUF, dequantized) comes back
+    on the same levels: every error is under half a level (only bf16 rounds scale and zero)."""
+    torch.manual_seed(0)
+    k, n = 3 * GROUP, 48
+    step = torch.rand(n, k // GROUP) * 0.03 + 0.02  # [out, in/G] the level spacing
+    low = torch.randn(n, k // GROUP) * 0.1  # [out, in/G]
+    codes = torch.randint(0, 16, (n, k // GROUP, GROUP)).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # each group spans its whole range, as Q4_1 quantizes
+    w = (codes * step[..., None] + low[..., None]).reshape(n, k).t().contiguous()  # [in, out]
+    iw = Int4Weight.quantize(w)
+    assert (iw.in_features, iw.out_features) == (k, n)
+    err = (iw.dequantize() - w).abs()  # [in, out]
+    half_level = step.repeat_interleave(GROUP, dim=1).t() / 2  # [in, out]
+    assert bool((err < half_level).all()), float((err / half_level).max())
+    assert float(err.max()) < 5e-3
+    x = torch.randn(5, k, dtype=torch.bfloat16)
+    torch.testing.assert_close(iw.matmul(x).float(), x.float() @ iw.dequantize(), atol=0.05, rtol=0.02)
+    for bad in (torch.randn(GROUP + 1, 16), torch.randn(GROUP, 8)):
+        with pytest.raises(ValueError, match="divisible"):
+            Int4Weight.quantize(bad)
+
+
+def test_int4_runner_is_close_to_fp32_and_batches():
+    """int4: 4-bit layers, bf16 elsewhere; near the fp32 model, and the same sequence gives
+    (nearly) the same logits alone or next to others in one step."""
+    model = tiny_model("llama")
+    r32 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4)
+    r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True)
+    assert r4.facts.dtype == "int4" and r4.pool.k.dtype == torch.bfloat16
+    assert all(isinstance(getattr(lw, m), Int4Weight) for lw in r4.weights.layers for m in ("qkv", "o", "gate_up", "down"))
+    assert r4.weights.embed.data_ptr() == r4.weights.lm_head.data_ptr()  # tied: one bf16 copy
+    assert r4.facts.weight_bytes < r32.facts.weight_bytes / 2
+    rng = random.Random(5)
+    a, b = rand_tokens(rng, 21), rand_tokens(rng, 13)
+    ref = reference(model, a)  # [21, V] fp32
+    sa = r4.blocks.reserve(30)
+    (alone,) = r4.forward([SeqChunk(sa, a, 0, len(a))])
+    assert float((alone - ref).norm() / ref.norm()) < 0.15
+    r4.free(sa)
+    sa, sb = r4.blocks.reserve(30), r4.blocks.reserve(30)
+    r4.forward([SeqChunk(sb, b[:5], 0, 0)])
+    got_a, got_b = r4.forward([SeqChunk(sa, a, 0, len(a)), SeqChunk(sb, b[5:], 5, 8)])
+    torch.testing.assert_close(got_a, alone, atol=0.05, rtol=0)
+    assert got_b.shape == (8, VOCAB)
 
 
 # ------------------------------------------------------------------------------------

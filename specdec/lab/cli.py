@@ -44,8 +44,8 @@ def add_bench_parser(sub) -> None:
     g.add_argument("--load-prompts", type=int, default=32, help="ShareGPT chat prompts the clients cycle through")
     s = b.add_argument_group("the cost of one batched forward (specdec/lab/steps.py)")
     s.add_argument("--steps", action="store_true", help="measure step costs per runner and batch shape instead")
-    s.add_argument("--step-variants", default="torch-fp32,torch-bf16,llamacpp-f32,llamacpp-f16,llamacpp-q8_0,"
-                                              "llamacpp-q4_1")
+    s.add_argument("--step-variants", default="torch-fp32,torch-bf16,torch-int4,llamacpp-f32,llamacpp-f16,"
+                                              "llamacpp-q8_0,llamacpp-q4_1")
     b.set_defaults(fn=lambda a: (steps.run_steps(a) if a.steps else bench.run_load(a) if a.concurrency
                                  else bench.run_compare(a)) and 0)
 

@@ -26,6 +26,7 @@ class Variant:
 VARIANTS = {
     "torch-fp32": Variant("torch-fp32", "torch", "float32"),
     "torch-bf16": Variant("torch-bf16", "torch", "bfloat16"),
+    "torch-int4": Variant("torch-int4", "torch", "int4"),
     "llamacpp-f32": Variant("llamacpp-f32", "llamacpp", "f32"),
     "llamacpp-f16": Variant("llamacpp-f16", "llamacpp", "f16"),
     "llamacpp-q8_0": Variant("llamacpp-q8_0", "llamacpp", "q8_0"),

@@ -1,0 +1,56 @@
+"""4-bit weight-only matrices for the paged runner's `int4` precision (CPU).
+
+Each [in, out] weight is cut into groups of GROUP consecutive input rows per output column;
+a group keeps 16 levels, w = (q - 8) * scale + zero with q in 0..15, scale and zero in bf16
+(asymmetric min/max, the grid of GGUF's Q4_1: requantizing a model dequantized from a Q4_1
+file finds its levels again, up to the bf16 rounding of scale and zero). Activations are
+bf16; the matmul is torch's CPU int4 kernel (`hf_compat.int4_matmul`), which streams a
+quarter of the bytes of bf16 and an eighth of fp32: one token through the default model's
+layers takes 5.6 ms against 27.6 in fp32 on one core here (BENCHMARKS.md §6a).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec import hf_compat
+
+GROUP = 32
+OUT_MULTIPLE = 16  # torch's CPU packing takes output features in multiples of 16
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    packed: torch.Tensor  # torch's packed CPU int4 layout of the codes [out, in]
+    scales_zeros: torch.Tensor  # [in/GROUP, out, 2] bf16: scale and zero of each group
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Int4Weight":
+        """w [in, out] (any float dtype) -> 4-bit codes per group of GROUP input rows."""
+        k, n = w.shape
+        if k % GROUP or n % OUT_MULTIPLE:
+            raise ValueError(f"int4 needs input features divisible by {GROUP} and output features by "
+                             f"{OUT_MULTIPLE} (torch's packing), got [{k}, {n}]")
+        groups = w.detach().float().t().reshape(n, k // GROUP, GROUP)  # [out, in/G, G]
+        low, high = groups.amin(-1), groups.amax(-1)  # [out, in/G]
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)  # [out, in/G]
+        codes = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15)  # [out, in/G, G]
+        zero = low + 8 * scale  # [out, in/G]: the value of code 8
+        scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [in/G, out, 2]
+        packed = hf_compat.int4_pack(codes.to(torch.int32).reshape(n, k))
+        return cls(packed, scales_zeros, k, n)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] bf16 -> [T, out] bf16."""
+        return hf_compat.int4_matmul(x, self.packed, GROUP, self.scales_zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [in, out] float32 matrix this stands for (tests)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)  # [in, in]
+        return self.matmul(eye).float()  # [in, out]
+
+    def storages(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_zeros]
