@@ -41,7 +41,7 @@ class ModelServiceConfig(ServiceConfig):
 
     engine: str = "torch"  # torch (the Llama-family paged runner, else transformers) | llamacpp (GGUF)
     model: str = DEFAULT_TARGET_MODEL  # packaged name, .gguf file or HF directory
-    dtype: str = "float32"  # torch engine: float32 | bfloat16 | float16
+    dtype: str = "float32"  # torch engine: float32 | bfloat16 | float16 | int4 (4-bit weights, bf16 activations; CPU)
     gguf_type: str = ""  # llamacpp engine: run the GGUF in f32 | f16 | q8_0 (a requantized copy, made once); "" = as shipped
     kv_pool_tokens: int = 16384  # the KV pool, allocated at startup: tokens over all sessions
     block_size: int = 16  # tokens per KV block
@@ -62,7 +62,10 @@ class TargetConfig(ModelServiceConfig):
 @dataclass
 class DraftConfig(ModelServiceConfig):
     port: int = 50053
-    engine: str = "llamacpp"  # llamacpp | torch | ngram
+    # the paged torch runner with 4-bit weights: its batched step scales, the llama.cpp draft's
+    # does not on this CPU (README, "Choosing the defaults"); on a GPU int4 runs as bfloat16
+    engine: str = "torch"  # torch | llamacpp | ngram
+    dtype: str = "int4"
     model: str = DEFAULT_DRAFT_MODEL
     cpu_cores: str = "1"
     admission_wait_s: float = 0.0  # a full draft does not queue: the request runs target-only
@@ -76,13 +79,16 @@ class OrchestratorConfig(ServiceConfig):
     port: int = 50051
     target_address: str = "127.0.0.1:50052"
     draft_address: str = "127.0.0.1:50053"  # "" = no draft service
-    default_k: int = 8
+    default_k: int = 8  # a request's k when it sets none (0); with adaptive_k, the most a round drafts
     max_k: int = 32
+    # choose each round's k, up to the request's, from the measured draft and verify costs and the
+    # request's acceptance so far (specdec/kchoice.py); k = 0 rounds when drafting does not pay
+    adaptive_k: bool = False
     # draft tokens per round that all requests speculating at once may ask for together: with n of
     # them, each one's k is min(k, budget // n), and 0 (rounds without drafts) when that is under 2,
-    # so that the draft (one core, batching little on CPU) does not become every request's
-    # bottleneck; 0 = no limit (BENCHMARKS.md §6)
-    draft_token_budget: int = 8
+    # for a draft whose batched step does not scale (the llama.cpp Q4_1 draft on this CPU: 8 there);
+    # 0 = no limit, the default: the int4 torch draft batches (BENCHMARKS.md §6)
+    draft_token_budget: int = 0
     default_mode: str = "pipelined"  # pipelined | sequential | target-only
     # draft sampling when a sampled request sets none; < 0 = the target's own temperature/top-k/top-p
     # (measured best for the default pair: BENCHMARKS.md, "Sampled requests")

@@ -117,6 +117,7 @@ def llamacpp_margin(prompt: list[int], ref: list[int], at: int, other: int) -> f
 def llamacpp_stack(tmp_path_factory):
     cfg = with_metrics(local_config())
     cfg.target.engine = "llamacpp"  # the F32 copy of the shipped file (target.gguf_type)
+    cfg.draft.engine = "llamacpp"  # the shipped Q4_1 file: the llama.cpp draft runs end to end here
     cfg.orchestrator.probe_interval_s = 0.5
     cfg.orchestrator.draft_token_budget = 0  # as in default_stack: 8 clients draft at the full k
     with running(cfg, tmp_path_factory.mktemp("llamacpp-target"), 600) as stack:

@@ -21,8 +21,8 @@ and max over the runs and the spread % = (max - min) / median.
 Studies (`--studies`, default all):
 - ksweep: k in `--ks` (default 1..16), pipelined and sequential, plus target-only: tok/s,
   acceptance rate, mean accepted tokens per round (1 + accepted / rounds with drafts).
-- drafts: each draft the system can load here (`--drafts`): llamacpp (the shipped Q4_1 GGUF,
-  the default), llamacpp-q8_0 and llamacpp-f16 (the same weights re-quantized by llama.cpp's
+- drafts: each draft the system can load here (`--drafts`): torch-int4 (the default: the
+  paged torch runner with 4-bit weights), llamacpp (the shipped Q4_1 GGUF), llamacpp-q8_0 and llamacpp-f16 (the same weights re-quantized by llama.cpp's
   own tool, when the llama.cpp peer is built), torch-fp32 and torch-bf16 (torch copies of the
   target), ngram (prompt lookup). The only other real model here, Gemma-3 270M, has another
   tokenizer, so it cannot draft for this target.
