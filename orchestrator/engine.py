@@ -4,7 +4,9 @@ Pure asyncio over two small session interfaces (no transport here), so it runs t
 over gRPC (`orchestrator.clients`) and over in-process or fake sessions (tests).
 
 A request is a `Run` (its state between rounds); a round is a few named steps:
-1. attach the draft if it is due (it can join, or re-join, mid-request);
+1. attach the draft if it is due (it can join, or re-join, mid-request): the draft session
+   opens in the background, and rounds run without drafts until it is ready, so the first
+   token never waits for the draft's prefill;
 2. get the round's drafts: the pipeline's prepared ones, or a fresh proposal;
 3. pipelined: start the speculative proposal for the next round;
 4. verify the drafts on the target;
@@ -34,6 +36,7 @@ from typing import AsyncIterator, Callable, Protocol
 from specdec.aio import cancel_and_wait, cancelled_by_caller, quietly
 from specdec.config import OrchestratorConfig
 from specdec.errors import InvalidArgument, RoundRejected
+from specdec.kchoice import AcceptanceHistory, CostModel
 from specdec.modes import Mode
 from specdec.sampling import SamplingParams, derive_seed
 from specdec.stats import RoundRecord, Summary, summarize
@@ -211,12 +214,16 @@ class Run:
     committed: list[int] = field(default_factory=list)  # the target's sequence: prompt + output
     out: list[int] = field(default_factory=list)  # output tokens
     draft: DraftSession | None = None
+    attaching: asyncio.Task | None = None  # a draft session opening in the background
+    opening_draft: DraftSession | None = None  # the session it opens, until it is `draft`
     draft_holds: list[int] = field(default_factory=list)  # what the draft's cache holds
     ready: Drafts | None = None  # next round's drafts, from a speculation hit
     draft_calls: int = 0
     attaches: int = 0
     next_attach: float = 0.0  # perf_counter
     rounds: list[RoundRecord] = field(default_factory=list)
+    history: AcceptanceHistory = field(default_factory=lambda: AcceptanceHistory(0.8))  # adaptive k
+    rounds_without: int = 0  # consecutive rounds adaptive k ran without drafts
     ttft_ms: float = 0.0
     finish_reason: str = ""
 
@@ -237,9 +244,11 @@ class Run:
                      k=self.req.k, mode=self.req.mode)
 
     async def close(self) -> None:
+        await cancel_and_wait(self.attaching)
         await quietly(self.target.close(), "target session close")
-        if self.draft is not None:
-            await quietly(self.draft.close(), "draft session close")
+        for draft in (self.draft, self.opening_draft):
+            if draft is not None:
+                await quietly(draft.close(), "draft session close")
 
 
 # the smallest k worth a draft step under load: with the default pair on this CPU, k = 1 at
@@ -257,6 +266,7 @@ class Orchestrator:
         self.config = config or OrchestratorConfig()
         self.default_mode = Mode.parse(self.config.default_mode)
         self.speculating = 0  # requests running in a speculative mode now (they share the draft)
+        self.costs = CostModel()  # what rounds cost, for adaptive k
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
         run = self._start(self.validate(req))
@@ -272,7 +282,7 @@ class Orchestrator:
 
     async def _round(self, run: Run) -> Event:
         t0 = time.perf_counter()
-        await self._attach_draft_if_due(run)
+        self._attach_draft_if_due(run)
         drafts = await self._get_drafts(run, self._round_k(run))
         spec = self._start_speculation(run, drafts)
         t_verify = time.perf_counter()
@@ -327,16 +337,17 @@ class Orchestrator:
         sid = uuid.uuid4().hex
         return Run(req, sid, int(req.seed), self.backends.new_target_session(sid, req.deadline),
                    TextStream(self.decode, req.stop), set() if req.ignore_eos else set(self.backends.target.eos_token_ids),
-                   time.perf_counter(), committed=list(req.prompt_ids))
+                   time.perf_counter(), committed=list(req.prompt_ids),
+                   history=AcceptanceHistory(self.costs.acceptance))
 
     async def _open(self, run: Run) -> Event:
-        """Prefill the target (and the draft alongside); emit the first token."""
+        """Prefill the target, the draft's session opening alongside; emit the first token as
+        soon as the target's prefill is done (the draft joins when it is ready)."""
         req = run.req
         opening = asyncio.ensure_future(run.target.open(req.prompt_ids, req.sampling, derive_seed(run.seed, 0),
                                                         req.max_tokens, req.k))
+        self._attach_draft_if_due(run)
         try:
-            if run.wants_draft:
-                await self._attach_draft(run)  # alongside the target's prefill
             opened = await opening
         except BaseException:
             await cancel_and_wait(opening)  # a cancelled request does not wait for the prefill
@@ -344,27 +355,38 @@ class Orchestrator:
         run.ttft_ms = (time.perf_counter() - run.started) * 1e3
         return self._commit(run, [opened.first_token], None, None)
 
-    async def _attach_draft_if_due(self, run: Run) -> None:
-        if run.wants_draft and run.draft is None and time.perf_counter() >= run.next_attach:
-            await self._attach_draft(run)
+    def _attach_draft_if_due(self, run: Run) -> None:
+        """Start opening a draft session when the request has none, none is opening, the last
+        try is probe_interval_s old, and its share of k is not 0."""
+        if run.attaching is not None:
+            if not run.attaching.done():
+                return  # this round runs without drafts
+            run.attaching.result()  # _attach_draft handles its own errors
+            run.attaching = None
+        if (run.wants_draft and run.draft is None and time.perf_counter() >= run.next_attach
+                and self._k_under_load(run) > 0):
+            run.attaching = asyncio.ensure_future(self._attach_draft(run))
 
     async def _attach_draft(self, run: Run) -> None:
-        """Open a draft session on what is committed; on any failure go on without one."""
+        """Open a draft session on what is committed now; on any failure go on without one."""
         run.next_attach = time.perf_counter() + self.config.probe_interval_s
         ds = self.backends.new_draft_session(f"{run.sid}-d{run.attaches}", run.req.deadline)
         run.attaches += 1
         if ds is None:
             return
         t = self.backends.target
+        holds = list(run.committed)
+        run.opening_draft = ds  # closed by Run.close if the request ends first
         try:
-            await ds.open(list(run.committed), run.req.draft_sampling, t.fingerprint, t.vocab_size,
-                          run.remaining, run.req.k)
+            await ds.open(holds, run.req.draft_sampling, t.fingerprint, t.vocab_size, run.remaining, run.req.k)
         except Exception as e:  # noqa: BLE001 - a draft error never fails the request
             log.warning("draft session could not be opened (%s); serving target-only", e)
             self.backends.draft_failed(e)
+            run.opening_draft = None
             await quietly(ds.close(), "draft session close")
             return
-        run.draft, run.draft_holds, run.ready = ds, list(run.committed), None
+        # the first propose appends what the target committed meanwhile (keep = len(holds))
+        run.draft, run.opening_draft, run.draft_holds, run.ready = ds, None, holds, None
 
     async def _drop_draft(self, run: Run, error: BaseException) -> None:
         log.warning("draft failed mid-request (%s); continuing target-only", error)
@@ -397,8 +419,13 @@ class Orchestrator:
         return share if share >= MIN_SHARED_K else 0
 
     def _round_k(self, run: Run) -> int:
+        """The round's k: at most the request's k (shared out under load, clipped to what is left);
+        with adaptive_k, the k that the measured costs and this request's acceptance say is best."""
         room = self.backends.target.max_context - len(run.committed) - 1
-        return max(0, min(self._k_under_load(run), run.remaining - 1, room))
+        k_max = max(0, min(self._k_under_load(run), run.remaining - 1, room))
+        if not self.config.adaptive_k or run.draft is None:
+            return k_max
+        return self.costs.choose(run.req.mode, k_max, run.history, run.rounds_without)
 
     async def _get_drafts(self, run: Run, k: int) -> Drafts:
         ready, run.ready = run.ready, None
@@ -410,6 +437,7 @@ class Orchestrator:
         res = await self._draft_call(run, run.draft.propose(keep, run.committed[keep:], k, run.next_seed()))
         if res is None:
             return Drafts()
+        self.costs.observe_draft(res.draft_ms, len(res.token_ids))
         run.draft_holds = run.committed + res.token_ids
         return Drafts(res.token_ids, res.dists, res.draft_ms)
 
@@ -417,7 +445,9 @@ class Orchestrator:
         """Pipelined: draft k+1 tokens after this round's drafts while the target verifies them."""
         room = self.backends.target.max_context - len(run.committed) - 1
         n = len(drafts.tokens)
-        spec_k = min(self._k_under_load(run) + 1, run.remaining - n - 1, room - n - 1)
+        # the next round's k as it would be chosen now (a hit's drafts are cut to the k chosen then)
+        next_k = self._round_k(run) if self.config.adaptive_k else self._k_under_load(run)
+        spec_k = min(next_k + 1, run.remaining - n - 1, room - n - 1)
         if run.req.mode != Mode.PIPELINED or run.draft is None or not drafts.tokens or spec_k <= 0:
             return None
         return Speculation(asyncio.ensure_future(
@@ -448,11 +478,13 @@ class Orchestrator:
         rec = RoundRecord(k=len(drafts.tokens), accepted=v.num_accepted, draft_ms=drafts.draft_ms,
                           verify_ms=v.verify_ms, rpc_ms=max(0.0, v.rtt_ms - v.verify_ms), wire_bytes=v.wire_bytes,
                           pipeline_hit=drafts.from_speculation)
+        self._learn(run, rec, v.rtt_ms)
         if spec is None or run.draft is None:
             return rec
         res = await self._draft_call(run, spec.task)
         if res is None:
             return rec
+        self.costs.observe_draft(res.draft_ms, len(res.token_ids))
         run.draft_holds = run.committed + drafts.tokens + res.token_ids
         rec.spec_wait_ms = max(0.0, res.finished - t_verified) * 1e3
         rec.overlap_ms = max(0.0, min(t_verified, res.finished) - max(t_verify, res.started)) * 1e3
@@ -461,6 +493,13 @@ class Orchestrator:
         else:
             rec.wasted_draft_tokens = len(res.token_ids)
         return rec
+
+    def _learn(self, run: Run, rec: RoundRecord, verify_rtt_ms: float) -> None:
+        """What adaptive k learns from a verified round: its cost, and the request's acceptance."""
+        self.costs.observe_round(rec.k, rec.accepted, verify_rtt_ms)
+        if rec.k:
+            run.history.record(rec.k, rec.accepted)
+        run.rounds_without = run.rounds_without + 1 if rec.k == 0 and run.draft is not None else 0
 
     def _commit(self, run: Run, new: list[int], rec: RoundRecord | None, t0: float | None) -> Event:
         """Append the round's tokens; emit what is new, up to a finish (EOS, stop, length)."""

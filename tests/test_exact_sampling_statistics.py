@@ -107,7 +107,7 @@ class Stack:
 
 
 @contextmanager
-def built_stack(runners, max_support: int = 64):
+def built_stack(runners, max_support: int = 64, adaptive_k: bool = False):
     """The real engines (each with its model thread) over paged runners of the two tiny models."""
     target, draft = runners
     seqs = CONCURRENCY + 8
@@ -120,7 +120,8 @@ def built_stack(runners, max_support: int = 64):
     try:
         # every generation drafts at its own k, however many run at once (no load sharing of k:
         # this file checks the sampling math, and k = 0 rounds would test nothing)
-        config = OrchestratorConfig(draft_token_budget=0)
+        # (adaptive_k: each round's k chosen from the measured costs and acceptance, 0 included)
+        config = OrchestratorConfig(draft_token_budget=0, adaptive_k=adaptive_k)
         yield Stack(Orchestrator(backends, decode=lambda ids: "", config=config), backends, te, de)
     finally:
         backends.stop()
@@ -307,6 +308,7 @@ class Case:
     window: int
     n: int = N_SAMPLES
     max_support: int = 64
+    adaptive_k: bool = False
 
 
 SEQ, PIPE = Mode.SEQUENTIAL, Mode.PIPELINED
@@ -319,11 +321,13 @@ CASES = [
     # the literal max_tokens=3, k=2 setting: k is capped to 1 in round 1, then the bonus
     # or (after a rejection) a target-only round
     Case("T1,k8/greedy-sequential-mnt3", SP(1.0, top_k=8), SP(0.0), SEQ, k=2, max_tokens=3, window=3),
+    # adaptive k: each round drafts 0, 1 or 2 tokens as the cost model decides
+    Case("T1/T1-sequential-adaptive-k", SP(1.0), SP(1.0), SEQ, k=2, max_tokens=4, window=3, adaptive_k=True),
 ]
 
 
 def run_and_fit(runners, case: Case, seed0: int) -> tuple[Fit, RunStats]:
-    with built_stack(runners, case.max_support) as stack:
+    with built_stack(runners, case.max_support, case.adaptive_k) as stack:
         samples, stats = generate_many(stack, case.n, sampling=case.sampling, draft_sampling=case.draft_sampling,
                                        mode=case.mode, k=case.k, max_tokens=case.max_tokens,
                                        window=case.window, seed0=seed0)

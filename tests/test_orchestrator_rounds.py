@@ -8,6 +8,7 @@ matches what it really holds. Every scenario must give exactly the target-only o
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -77,6 +78,7 @@ class FakeDraft:
         self.closed = False
 
     async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_tokens, max_draft) -> float:
+        await asyncio.sleep(self.world.draft_open_s)
         self.holds = list(prompt_ids)
         return 1.0
 
@@ -117,6 +119,7 @@ class World:
     draft_comes_back_after_verifies: int = 0  # a down draft is offered again after this many verifies
     verify_s: float = 0.0
     draft_s: float = 0.0
+    draft_open_s: float = 0.0  # the draft's prefill
     verifies: int = 0
     draft_calls: int = 0
     failures: list = field(default_factory=list)
@@ -144,9 +147,10 @@ class World:
 PROMPT = [5, 9, 14, 3]
 
 
-def run(world: World, mode: Mode, n: int = 40, k: int = 4, **req) -> tuple[list[int], list, object]:
+def run(world: World, mode: Mode, n: int = 40, k: int = 4, config: OrchestratorConfig | None = None,
+        **req) -> tuple[list[int], list, object]:
     orch = Orchestrator(world, decode=lambda ids: "".join(chr(97 + t % 26) for t in ids),
-                        config=OrchestratorConfig(probe_interval_s=0.0))
+                        config=config or OrchestratorConfig(probe_interval_s=0.0))
 
     async def go():
         tokens, rounds, summary = [], [], None
@@ -281,3 +285,36 @@ def test_k_is_shared_out_when_many_requests_speculate_and_the_output_is_unchange
     assert together and max(together) == shared_k, together
     assert alone and max(alone) == 8, alone
     assert closed_everything(w)
+
+
+@pytest.mark.parametrize("mode", [Mode.SEQUENTIAL, Mode.PIPELINED])
+def test_the_first_token_does_not_wait_for_the_draft(mode):
+    """A draft whose prefill takes 0.3 s: the first token comes with the target's prefill, the
+    rounds before the draft is ready run without drafts, then the draft joins (catching up on
+    what the target produced meanwhile) and the output is still target-only's."""
+    w = World(draft_open_s=0.3, verify_s=0.01)
+    orch = Orchestrator(w, decode=lambda ids: "", config=OrchestratorConfig(probe_interval_s=0.0))
+
+    async def go():
+        t0, first_at, ks, tokens = time.perf_counter(), None, [], []
+        async for ev in orch.generate(GenerationRequest(PROMPT, 120, k=4, mode=mode, ignore_eos=True)):
+            if first_at is None:
+                first_at = time.perf_counter() - t0
+            tokens += ev.token_ids
+            if ev.round is not None:
+                ks.append(ev.round.k)
+        return first_at, ks, tokens
+
+    first_at, ks, tokens = asyncio.run(go())
+    assert first_at < 0.1, first_at
+    assert tokens == reference(PROMPT, 120)
+    assert ks[0] == 0 and ks.index(4) >= 5, ks  # ~0.3 s of 0.01 s rounds without drafts, then k = 4
+    assert len(w.drafts) == 1
+    assert closed_everything(w)
+
+
+def test_a_request_that_ends_while_its_draft_opens_closes_that_session():
+    w = World(draft_open_s=0.5)
+    tokens, rounds, summary = run(w, Mode.PIPELINED, n=3)
+    assert tokens == reference(PROMPT, 3) and all(r.k == 0 for r in rounds)
+    assert len(w.drafts) == 1 and closed_everything(w)

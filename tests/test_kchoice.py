@@ -1,0 +1,106 @@
+"""Adaptive k: the chooser on hand-made acceptance histories and costs, and in the round loop."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.config import OrchestratorConfig
+from specdec.kchoice import (PROBE_EVERY, PROBE_K, AcceptanceHistory, CostModel, best_k, expected_tokens,
+                             round_ms)
+from specdec.modes import Mode
+from test_orchestrator_rounds import PROMPT, V, World, closed_everything, reference, run
+
+SEQ, PIPE = Mode.SEQUENTIAL, Mode.PIPELINED
+ADAPTIVE = OrchestratorConfig(probe_interval_s=0.0, adaptive_k=True)
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)  # the last rate repeats
+    assert expected_tokens([1.0, 0.5, 0.0], 3) == pytest.approx(1 + 1 + 0.5)
+    assert expected_tokens([], 4) == 1.0
+
+
+def test_round_time_model():
+    assert round_ms(SEQ, 3, [0.5], 2.0, 10.0) == 16.0  # k d + T
+    assert round_ms(SEQ, 0, [0.5], 2.0, 10.0) == 10.0
+    assert round_ms(PIPE, 4, [1.0], 2.0, 10.0) == 10.0  # always a hit: max(T, (k+1) d)
+    # never a hit: the miss redrafts k before the next verify
+    assert round_ms(PIPE, 4, [0.0], 2.0, 10.0) == 10.0 + 8.0
+
+
+@pytest.mark.parametrize("mode, accept, d, t, want", [
+    (SEQ, [1.0], 1.0, lambda k: 10.0, 8),  # perfect drafts, flat verify: (k+1)/(k+10) grows with k
+    (SEQ, [0.0], 1.0, lambda k: 10.0, 0),  # never accepted: drafting only costs
+    # a = 0.5, d = 2, T = 10: k=0 0.1, k=1 1.5/12 = 0.125, k=2 1.75/14 = 0.125 (a tie: the smaller), k=3 0.117
+    (SEQ, [0.5], 2.0, lambda k: 10.0, 1),
+    # pipelined, always a hit: rate (k+1) / max(10, 2(k+1)) peaks from k = 4 on (k+1 drafts fit one verify)
+    (PIPE, [1.0], 2.0, lambda k: 10.0, 4),
+    # a verify that costs 9 ms per draft on top of 40 (this CPU, one sequence): a = 0.6 does not pay
+    (SEQ, [0.6], 15.0, lambda k: 40.0 + 9.0 * k, 0),
+    # drafts far cheaper than a verify that is flat in k (a GPU): the full k, (k+1) / 100
+    (PIPE, [1.0], 1.0, lambda k: 100.0, 8),
+    # a = 0.95, d = 15, T(k) = 40 + 8k: k = 3 (E 3.71 in max(64, 60) + 0.185 * 45 = 72.3 ms: 51 tok/s;
+    # k = 8 is 7.39 in 135 + 0.37 * 120 = 180 ms: 41 tok/s)
+    (PIPE, [0.95], 15.0, lambda k: 40.0 + 8.0 * k, 3),
+])
+def test_best_k_is_the_argmax_of_the_model(mode, accept, d, t, want):
+    assert best_k(mode, 8, accept, d, t) == want
+    rates = [(expected_tokens(accept, k) if k else 1.0) / round_ms(mode, k, accept, d, t(k)) for k in range(9)]
+    assert rates[want] == pytest.approx(max(rates))
+
+
+def test_acceptance_history_counts_positions_and_smooths():
+    h = AcceptanceHistory(prior=0.5)
+    h.record(4, 2)  # drafts 0 and 1 accepted, 2 rejected, 3 never looked at
+    h.record(4, 4)
+    assert h.reached == [2, 2, 2, 1] and h.accepted == [2, 2, 1, 1]
+    pooled = (6 + 4 * 0.5) / (7 + 4)
+    assert h.pooled() == pytest.approx(pooled)
+    rates = h.rates(5)
+    assert rates[0] == pytest.approx((2 + 4 * pooled) / 6)
+    assert rates[4] == pytest.approx(pooled)  # never reached: the pooled rate
+    for _ in range(200):
+        h.record(4, 0)
+    assert h.rates(1)[0] < 0.05  # enough evidence outweighs the prior
+
+
+def test_cost_model_interpolates_verify_time_and_probes():
+    c = CostModel()
+    assert c.choose(SEQ, 8, AcceptanceHistory(0.0), 0) == 8  # nothing measured yet: the full k
+    c.observe_round(0, 0, 40.0)
+    c.observe_round(8, 0, 112.0)
+    assert c.verify_ms(4) == pytest.approx(76.0) and c.verify_ms(8) == 112.0
+    c.observe_draft(50.0, 10)
+    assert c.draft_ms_per_token == 5.0
+    hopeless = AcceptanceHistory(0.0)
+    for _ in range(50):
+        hopeless.record(8, 0)
+    assert c.choose(SEQ, 8, hopeless, 0) == 0
+    assert c.choose(SEQ, 8, hopeless, PROBE_EVERY - 1) == PROBE_K  # a probe now and then
+    good = AcceptanceHistory(0.95)
+    for _ in range(20):
+        good.record(8, 8)
+    assert c.choose(PIPE, 8, good, 0) == 8  # ~8.7 tokens in max(112, 45) ms beats ~5.9 in max(85, 30)
+    c.observe_draft(250.0, 10)  # a draft 5x dearer (25 ms per token): the average moves a fifth of the way
+    assert c.draft_ms_per_token == pytest.approx(9.0)
+
+
+def test_a_useless_draft_is_mostly_not_used_and_the_output_is_unchanged():
+    # every draft wrong: after the first rounds, rounds run without drafts, with a probe now and then
+    w = World(wrong_at=set(range(5, 400)), verify_s=0.002, draft_s=0.002)
+    tokens, rounds, _ = run(w, SEQ, n=150, k=8, config=ADAPTIVE)
+    assert tokens == reference(PROMPT, 150)
+    ks = [r.k for r in rounds]
+    late = ks[len(ks) // 2:]
+    assert late.count(0) > 0.75 * len(late), ks
+    assert 0 < sum(1 for k in late if k) <= len(late) // (PROBE_EVERY - 1) + 1, ks
+    assert closed_everything(w)
+
+
+@pytest.mark.parametrize("mode", [SEQ, PIPE])
+def test_a_perfect_draft_keeps_the_full_k(mode):
+    w = World(verify_s=0.004, draft_s=0.0005)
+    tokens, rounds, _ = run(w, mode, n=120, k=6, config=ADAPTIVE)
+    assert tokens == reference(PROMPT, 120)
+    assert all(r.k == 6 for r in rounds[1:-2]), [r.k for r in rounds]
+    assert V  # the fake world's vocabulary (imported with it)
