@@ -5,8 +5,8 @@ over gRPC (`orchestrator.clients`) and over in-process or fake sessions (tests).
 
 A request is a `Run` (its state between rounds); a round is a few named steps:
 1. attach the draft if it is due (it can join, or re-join, mid-request): the draft session
-   opens in the background, and rounds run without drafts until it is ready, so the first
-   token never waits for the draft's prefill;
+   opens in the background, so the first token never waits for the draft's prefill; greedy
+   rounds run without drafts until it is ready, sampled ones wait for it (reproducibility);
 2. get the round's drafts: the pipeline's prepared ones, or a fresh proposal;
 3. pipelined: start the speculative proposal for the next round;
 4. verify the drafts on the target;
@@ -282,7 +282,7 @@ class Orchestrator:
 
     async def _round(self, run: Run) -> Event:
         t0 = time.perf_counter()
-        self._attach_draft_if_due(run)
+        await self._attach_draft_if_due(run)
         drafts = await self._get_drafts(run, self._round_k(run))
         spec = self._start_speculation(run, drafts)
         t_verify = time.perf_counter()
@@ -346,7 +346,7 @@ class Orchestrator:
         req = run.req
         opening = asyncio.ensure_future(run.target.open(req.prompt_ids, req.sampling, derive_seed(run.seed, 0),
                                                         req.max_tokens, req.k))
-        self._attach_draft_if_due(run)
+        self._start_attach_if_due(run)
         try:
             opened = await opening
         except BaseException:
@@ -355,14 +355,21 @@ class Orchestrator:
         run.ttft_ms = (time.perf_counter() - run.started) * 1e3
         return self._commit(run, [opened.first_token], None, None)
 
-    def _attach_draft_if_due(self, run: Run) -> None:
-        """Start opening a draft session when the request has none, none is opening, the last
+    async def _attach_draft_if_due(self, run: Run) -> None:
+        """The round's draft. A greedy request does not wait for a draft session that is still
+        opening: this round runs without drafts (the output is the same either way). A sampled
+        one waits, so that which rounds draft, and with it the sampled output, depends on the
+        seed and not on timing (same seed, same tokens)."""
+        if run.attaching is None:
+            self._start_attach_if_due(run)
+        if run.attaching is None or (not run.attaching.done() and run.req.sampling.greedy):
+            return
+        await run.attaching  # _attach_draft handles its own errors
+        run.attaching = None
+
+    def _start_attach_if_due(self, run: Run) -> None:
+        """Start opening a draft session in the background when the request has none, the last
         try is probe_interval_s old, and its share of k is not 0."""
-        if run.attaching is not None:
-            if not run.attaching.done():
-                return  # this round runs without drafts
-            run.attaching.result()  # _attach_draft handles its own errors
-            run.attaching = None
         if (run.wants_draft and run.draft is None and time.perf_counter() >= run.next_attach
                 and self._k_under_load(run) > 0):
             run.attaching = asyncio.ensure_future(self._attach_draft(run))
@@ -519,7 +526,10 @@ class Orchestrator:
         if not run.finish_reason and run.remaining <= 0:
             run.finish_reason = "length"
         if rec is not None:
-            rec.draft_available = run.draft is not None or not run.wants_draft
+            # a draft whose session is still opening (its prefill) is there, not a fallback; one
+            # whose open has failed (a full draft, a draft that is down) is not
+            opening = run.attaching is not None and not run.attaching.done()
+            rec.draft_available = run.draft is not None or opening or not run.wants_draft
             rec.round_ms = (time.perf_counter() - t0) * 1e3
             run.rounds.append(rec)
         return run.event(take, run.text.take(bool(run.finish_reason), stop_at), rec)

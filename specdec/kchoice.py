@@ -15,6 +15,10 @@ of a round with k drafts, as the request sees it):
 `best_k` is the argmax of E(k) / time(k) over 0..k_max (the lab's ideal bound, in
 specdec/lab/analysis.py, is the hit-always case of the same model).
 
+Sampled output stays exact (each round's acceptance rule holds for any k chosen before it
+drafts), but k depends on measured timings, so with adaptive k a seed no longer fixes the
+tokens.
+
 Estimates: acceptance per position is smoothed toward the request's pooled rate, itself
 smoothed toward a prior (what earlier requests accepted), so a few rounds do not swing k to
 0 or to k_max; T(k) is an exponential average per k, interpolated (least squares line

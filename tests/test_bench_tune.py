@@ -241,7 +241,9 @@ def _tuner(tmp_path, *extra):
     from specdec.lab import tune
 
     # an explicit numeric default draft temperature (the shipped default, -1, means "the target's")
-    (tmp_path / "base.toml").write_text("[orchestrator]\ndefault_draft_temperature = 0.1\n")
+    # and the llama.cpp draft as the default draft, which the cases below are written around
+    (tmp_path / "base.toml").write_text("[orchestrator]\ndefault_draft_temperature = 0.1\n"
+                                        "[draft]\nengine = \"llamacpp\"\n")
     a = build_parser().parse_args(["tune", "--out", str(tmp_path), "--config", str(tmp_path / "base.toml"),
                                    "--workloads", "code", "--ks", "1,2,4,8",
                                    "--draft-temps", "0,0.6", "--drafts", "llamacpp,ngram", "--budget-s", "0",

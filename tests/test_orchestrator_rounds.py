@@ -318,3 +318,15 @@ def test_a_request_that_ends_while_its_draft_opens_closes_that_session():
     tokens, rounds, summary = run(w, Mode.PIPELINED, n=3)
     assert tokens == reference(PROMPT, 3) and all(r.k == 0 for r in rounds)
     assert len(w.drafts) == 1 and closed_everything(w)
+
+
+def test_a_sampled_request_waits_for_its_draft_so_its_rounds_depend_on_the_seed_alone():
+    """A sampled request's first token does not wait for the draft either, but its first round
+    does: whether a round drafts changes the random draws, so it must not depend on timing."""
+    from specdec.sampling import SamplingParams
+
+    w = World(draft_open_s=0.2)
+    tokens, rounds, _ = run(w, Mode.PIPELINED, n=20, sampling=SamplingParams(temperature=1.0))
+    assert rounds[0].k == 4 and all(r.k > 0 for r in rounds[:-1]), [r.k for r in rounds]
+    assert tokens == reference(PROMPT, 20)  # the fake target verifies greedily whatever the sampling
+    assert closed_everything(w)
