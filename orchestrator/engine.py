@@ -36,7 +36,7 @@ from typing import AsyncIterator, Callable, Protocol
 from specdec.aio import cancel_and_wait, cancelled_by_caller, quietly
 from specdec.config import OrchestratorConfig
 from specdec.errors import InvalidArgument, RoundRejected
-from specdec.kchoice import AcceptanceHistory, CostModel
+from specdec.kchoice import PRIOR_ACCEPTANCE, AcceptanceHistory, CostModel
 from specdec.modes import Mode
 from specdec.sampling import SamplingParams, derive_seed
 from specdec.stats import RoundRecord, Summary, summarize
@@ -222,7 +222,7 @@ class Run:
     attaches: int = 0
     next_attach: float = 0.0  # perf_counter
     rounds: list[RoundRecord] = field(default_factory=list)
-    history: AcceptanceHistory = field(default_factory=lambda: AcceptanceHistory(0.8))  # adaptive k
+    history: AcceptanceHistory = field(default_factory=lambda: AcceptanceHistory(PRIOR_ACCEPTANCE))  # adaptive k
     rounds_without: int = 0  # consecutive rounds adaptive k ran without drafts
     ttft_ms: float = 0.0
     finish_reason: str = ""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from specdec.modes import Mode
 
+PRIOR_ACCEPTANCE = 0.8  # the acceptance rate assumed before any round was measured
 PRIOR_ROUNDS = 4.0  # weight of the prior, in rounds
 EMA = 0.2  # weight of a new measurement in the running averages
 PROBE_EVERY = 8  # a request choosing k = 0 still drafts (k = PROBE_K) every this many rounds
@@ -104,7 +105,7 @@ class CostModel:
 
     draft_ms_per_token: float | None = None
     verify_ms_by_k: dict[int, float] = field(default_factory=dict)
-    acceptance: float = 0.8  # the prior of the next request: an average over finished rounds
+    acceptance: float = PRIOR_ACCEPTANCE  # the prior of the next request: an average over finished rounds
 
     def observe_draft(self, draft_ms: float, tokens: int) -> None:
         if tokens > 0 and draft_ms > 0:

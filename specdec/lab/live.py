@@ -81,7 +81,7 @@ def draft_variants(target_model: str, tiny_draft: str | None = None) -> dict[str
     out = {}
     if tiny_draft:
         out["tiny-draft"] = DraftVariant("tiny-draft", "torch", tiny_draft, "float32", "noisy copy of the tiny target")
-    if not tiny_draft:
+    else:
         out["torch-int4"] = DraftVariant("torch-int4", "torch", DEFAULT_DRAFT_MODEL, "int4",
                                          "4-bit torch draft (the default)")
     out["llamacpp"] = DraftVariant("llamacpp", "llamacpp", DEFAULT_DRAFT_MODEL, "float32", "shipped Q4_1 GGUF")

@@ -65,7 +65,7 @@ def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
         raise InvalidArgument(f"dtype int4 needs a Llama-family model (the paged runner); {cfg.model} is not one")
     log.info("%s is not a Llama-family model: serving it with the transformers runner (one session per forward)",
              cfg.model)
-    return HFRunner.load(cfg.model, cfg.dtype, device, cfg.kv_pool_tokens, cfg.block_size, cfg.max_sessions)
+    return HFRunner.load(cfg.model, dtype, device, cfg.kv_pool_tokens, cfg.block_size, cfg.max_sessions)
 
 
 def _llamacpp_runner(cfg: ModelServiceConfig) -> BatchRunner:
