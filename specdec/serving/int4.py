@@ -5,8 +5,8 @@ a group keeps 16 levels, w = (q - 8) * scale + zero with q in 0..15, scale and z
 (asymmetric min/max, the grid of GGUF's Q4_1: requantizing a model dequantized from a Q4_1
 file finds its levels again, up to the bf16 rounding of scale and zero). Activations are
 bf16; the matmul is torch's CPU int4 kernel (`hf_compat.int4_matmul`), which streams a
-quarter of the bytes of bf16 and an eighth of fp32: one token through the default model's
-layers takes 5.6 ms against 27.6 in fp32 on one core here (BENCHMARKS.md §6a).
+quarter of the bytes of bf16 and an eighth of fp32: a one-token step of the default model
+costs 22.5 ms against 40.1 in fp32, one core (BENCHMARKS.md §6a).
 """
 from __future__ import annotations
 
