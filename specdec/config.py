@@ -32,7 +32,13 @@ class ServiceConfig:
     num_threads: int = 1  # torch / llama.cpp threads
     gpu_memory_fraction: float = 0.0  # cap on this process's share of GPU memory; 0 = no cap
     max_sessions: int = 16
+    # on SIGTERM: stop taking new sessions, give running ones this long to finish, then exit
     shutdown_grace_s: float = 5.0
+    # TLS on this service's port: certificate chain and key (PEM files); "" = plaintext
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # with TLS: require client certificates signed by this CA (mTLS); "" = no client certificates
+    tls_client_ca_file: str = ""
 
 
 @dataclass
@@ -77,8 +83,25 @@ class DraftConfig(ModelServiceConfig):
 @dataclass
 class OrchestratorConfig(ServiceConfig):
     port: int = 50051
+    # target replicas: "host:port", several "host:port,host:port", or a DNS name that resolves to
+    # several addresses (a Kubernetes headless Service); each session goes to the least loaded
     target_address: str = "127.0.0.1:50052"
-    draft_address: str = "127.0.0.1:50053"  # "" = no draft service
+    draft_address: str = "127.0.0.1:50053"  # the same forms; "" = no draft service
+    # a replica whose call failed is not offered new sessions for this long (outlier ejection)
+    replica_ejection_s: float = 10.0
+    # bearer token clients must send ("authorization: Bearer <token>"), read from this file;
+    # "" = no authentication
+    auth_token_file: str = ""
+    # TLS to the target and draft services: the CA that signed their certificates ("" = plaintext),
+    # and this orchestrator's client certificate and key when they require one (mTLS)
+    upstream_tls_ca_file: str = ""
+    upstream_tls_cert_file: str = ""
+    upstream_tls_key_file: str = ""
+    # limits on one request (INVALID_ARGUMENT beyond them)
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 32768
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
     default_k: int = 8  # a request's k when it sets none (0); with adaptive_k, the most a round drafts
     max_k: int = 32
     # choose each round's k, up to the request's, from the measured draft and verify costs and the
