@@ -11,12 +11,13 @@ from specdec import metrics
 from specdec.config import DraftConfig
 from specdec.devices import configure_process, resolve_device
 from specdec.errors import InvalidArgument
-from specdec.rpc import Server, Servicer, StreamSession, boundary, model_info, sampling_from_proto, serve_session
+from specdec.rpc import Server, Servicer, add_servicer, StreamSession, boundary, model_info, sampling_from_proto, serve_session
 from specdec.serving.runners import load_runner
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specdec.draft")
-SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
+SERVICE_NAME = SERVICE.full_name
 
 
 def make_engine(cfg: DraftConfig, device: str) -> DraftEngine | NgramDraftEngine:
@@ -70,7 +71,7 @@ async def serve(cfg: DraftConfig) -> None:
     configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
     server = Server(cfg.host, cfg.port, [SERVICE_NAME])
     servicer = DraftServicer(cfg, device)
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    add_servicer(server.server, servicer, SERVICE)
     await server.start()
     await server.set_serving(False)
     log.info("draft service on %s, loading %s engine %s", server.address, cfg.engine, cfg.model)

@@ -15,12 +15,13 @@ from specdec import hf_compat, metrics, models
 from specdec.config import OrchestratorConfig
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.modes import Mode
-from specdec.rpc import Server, Servicer, boundary, sampling_from_proto
+from specdec.rpc import Server, Servicer, add_servicer, boundary, sampling_from_proto
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, specdec_pb2, specdec_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")
-SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["SpecDec"].full_name
+SERVICE = specdec_pb2.DESCRIPTOR.services_by_name["SpecDec"]
+SERVICE_NAME = SERVICE.full_name
 MAX_PROMPT_CHARS = 1_000_000
 
 
@@ -164,7 +165,7 @@ async def serve(cfg: OrchestratorConfig, tokenizer_spec: str = "") -> None:
     backends = GrpcBackends(cfg.target_address, cfg.draft_address, cfg.rpc_timeout_s, cfg.probe_interval_s,
                             on_target_change=follow_target)
     servicer = SpecDecServicer(cfg, backends)
-    specdec_pb2_grpc.add_SpecDecServicer_to_server(servicer, server.server)
+    add_servicer(server.server, servicer, SERVICE)
     await server.start()
     await server.set_serving(False)
     log.info("orchestrator on %s, waiting for the target at %s", server.address, cfg.target_address)

@@ -100,8 +100,8 @@ class OrchestratorConfig(ServiceConfig):
     # limits on one request (INVALID_ARGUMENT beyond them)
     max_request_bytes: int = 4 * 1024 * 1024
     max_prompt_tokens: int = 32768
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
+    max_stop_strings: int = 8
+    max_stop_string_chars: int = 128
     default_k: int = 8  # a request's k when it sets none (0); with adaptive_k, the most a round drafts
     max_k: int = 32
     # choose each round's k, up to the request's, from the measured draft and verify costs and the

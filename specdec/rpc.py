@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
@@ -74,12 +75,63 @@ class Servicer:
         return True
 
 
+# -- requests whose bytes do not parse ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Malformed:
+    """What a request deserializes to when its bytes are not its message. grpc turns an exception
+    in a deserializer into UNKNOWN (and logs a traceback); handing the handler this instead lets
+    it answer INVALID_ARGUMENT, and a session stream end (and close its session) cleanly."""
+
+    message_type: str
+    error: str
+
+    def describe(self) -> str:
+        return f"the request bytes do not parse as {self.message_type}: {self.error}"
+
+
+def lenient_parser(message_class) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the caller's bad bytes
+            return Malformed(message_class.DESCRIPTOR.full_name, f"{type(e).__name__}: {e}")
+    return parse
+
+
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> None:
+    """Register `servicer`'s methods for `service` (what the generated add_*_to_server does), with
+    request parsers that never raise: bad bytes reach the method as `Malformed`."""
+    handlers = {}
+    for m in service.methods:
+        request_class = message_factory.GetMessageClass(m.input_type)
+        response_class = message_factory.GetMessageClass(m.output_type)
+        handlers[m.name] = _HANDLER_KINDS[m.client_streaming, m.server_streaming](
+            getattr(servicer, m.name), request_deserializer=lenient_parser(request_class),
+            response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+async def _refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+
+
 def boundary(method):
     """Wrap a servicer method (unary or server-streaming) in the readiness guard and the error
-    boundary."""
+    boundary; a request that did not parse is answered INVALID_ARGUMENT."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def streaming(self: Servicer, request, context):
+            await _refuse_malformed(request, context)
             if not self.ready:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self.loading)
             try:
@@ -93,6 +145,7 @@ def boundary(method):
 
     @functools.wraps(method)
     async def unary(self: Servicer, request, context):
+        await _refuse_malformed(request, context)
         if not self.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.loading)
         try:
@@ -130,6 +183,7 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
     opened = False
     try:
         async for req in request_iterator:
+            await _refuse_malformed(req, context)
             kind = req.WhichOneof("kind")
             if kind is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request")

@@ -11,12 +11,13 @@ from specdec.config import TargetConfig
 from specdec.devices import configure_process, resolve_device
 from specdec.errors import InvalidArgument
 from specdec.serving.runners import load_runner
-from specdec.rpc import Server, Servicer, StreamSession, boundary, model_info, sampling_from_proto, serve_session
+from specdec.rpc import Server, Servicer, add_servicer, StreamSession, boundary, model_info, sampling_from_proto, serve_session
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
 log = logging.getLogger("specdec.target")
-SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
+SERVICE_NAME = SERVICE.full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer, Servicer):
@@ -67,7 +68,7 @@ async def serve(cfg: TargetConfig) -> None:
     configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
     server = Server(cfg.host, cfg.port, [SERVICE_NAME])
     servicer = TargetServicer(cfg, device)
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
+    add_servicer(server.server, servicer, SERVICE)
     await server.start()  # health answers NOT_SERVING while the model loads
     await server.set_serving(False)
     log.info("target service on %s, loading %s (%s engine)", server.address, cfg.model, cfg.engine)

@@ -5,6 +5,7 @@ Each bad request gets a clear status and the services keep serving the next requ
 from __future__ import annotations
 
 import math
+import time
 
 import grpc
 import pytest
@@ -179,3 +180,66 @@ def test_raw_proto_unknown_mode(tiny_stack):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- bytes that are not the request message ------------------------------------------------------------
+
+BAD_BYTES = [b"\xff\xff\xff\xff", b"\x0a\xff\x01", bytes(range(256))]
+METHODS = {  # service -> (full method name, client streaming)
+    "orchestrator": [("/specdec.v1.SpecDec/Generate", False), ("/specdec.v1.SpecDec/GetInfo", False)],
+    "target": [("/specdec.v1.TargetService/Info", False), ("/specdec.v1.TargetService/Session", True)],
+    "draft": [("/specdec.v1.DraftService/Info", False), ("/specdec.v1.DraftService/Session", True)],
+}
+
+
+def _raw_call(channel: grpc.Channel, method: str, streaming: bool, messages: list[bytes]):
+    """Send raw bytes as the request message(s); return the replies as raw bytes."""
+    ident = lambda b: b  # noqa: E731
+    if streaming:
+        call = channel.stream_stream(method, request_serializer=ident, response_deserializer=ident)
+        return list(call(iter(messages), timeout=30))
+    if method.endswith("Generate"):
+        return list(channel.unary_stream(method, request_serializer=ident, response_deserializer=ident)(
+            messages[0], timeout=30))
+    return [channel.unary_unary(method, request_serializer=ident, response_deserializer=ident)(messages[0], timeout=30)]
+
+
+@pytest.mark.parametrize("service", ["orchestrator", "target", "draft"])
+def test_bytes_that_do_not_parse_are_invalid_argument_on_every_service(tiny_stack, service):
+    with grpc.insecure_channel(tiny_stack.address(service)) as ch:
+        for method, streaming in METHODS[service]:
+            for raw in BAD_BYTES:
+                code, details = _code(lambda: _raw_call(ch, method, streaming, [raw]))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
+                assert "do not parse" in details
+    with Client(tiny_stack.address("orchestrator")) as c:
+        _ok(c)
+        assert c.info()["draft_available"]
+
+
+@pytest.mark.parametrize("service", ["target", "draft"])
+def test_a_corrupted_message_mid_session_ends_that_session_only(tiny_stack, service, smol_tokenizer):
+    """A session stream opened properly, then garbage: INVALID_ARGUMENT, the session is closed
+    (the service's count of active sessions goes back), and the service keeps serving."""
+    from specdec.v1 import common_pb2, draft_pb2, target_pb2
+
+    prompt = smol_tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    name = "TargetService" if service == "target" else "DraftService"
+    if service == "target":
+        opening = target_pb2.TargetRequest(open=target_pb2.TargetOpen(
+            session_id="corrupt-1", prompt_token_ids=prompt, max_tokens=8, max_draft=4))
+    else:
+        opening = draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
+            session_id="corrupt-1", prompt_token_ids=prompt, max_tokens=8, max_draft=4))
+    with grpc.insecure_channel(tiny_stack.address(service)) as ch:
+        code, details = _code(lambda: _raw_call(ch, f"/specdec.v1.{name}/Session", True,
+                                                [opening.SerializeToString(), b"\xff\xff\xff\xff"]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        ask = ch.unary_unary(f"/specdec.v1.{name}/Info", request_serializer=common_pb2.InfoRequest.SerializeToString,
+                             response_deserializer=common_pb2.ModelInfo.FromString)
+        deadline = time.monotonic() + 1.0
+        while ask(common_pb2.InfoRequest(), timeout=5).active_sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ask(common_pb2.InfoRequest(), timeout=5).active_sessions == 0
+    with Client(tiny_stack.address("orchestrator")) as c:
+        _ok(c)
