@@ -7,8 +7,11 @@ monitor polls its health until it answers again.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import grpc
@@ -32,10 +35,11 @@ class _Stream:
     Every failure leaves as a `SpecdecError` that names the peer (see `_peer_error`).
     """
 
-    def __init__(self, open_stream, timeout_s: float, peer: str, deadline: float | None):
+    def __init__(self, open_stream, timeout_s: float, peer: str, deadline: float | None, address: str = ""):
         self._open_stream = open_stream
         self.timeout_s = timeout_s
         self.peer = peer
+        self.address = address
         self.deadline = deadline
         self.call = None
 
@@ -54,12 +58,13 @@ class _Stream:
         except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - translated at this edge
             raise self._error(e, during) from e
         if reply is grpc.aio.EOF:
-            raise Unavailable(f"{self.peer} service closed the session stream {during} ({await self.call.code()})")
+            raise Unavailable(f"the {self.peer} service {self.address} closed the session stream {during} "
+                              f"({await self.call.code()})")
         return reply
 
     def _error(self, e: BaseException, during: str) -> SpecdecError:
         """A peer's failure as ours: say which peer, and whose fault it is."""
-        peer = f"{self.peer} service"
+        peer = f"{self.peer} service" + (f" ({self.address})" if self.address else "")
         deadline_passed = self.deadline is not None and time.monotonic() >= self.deadline
         if isinstance(e, SpecdecError):
             return e
@@ -110,17 +115,20 @@ IN_ROUND = "during a round"
 
 
 class GrpcTargetSession:
-    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, sid: str, timeout_s: float, deadline: float | None,
-                 on_unavailable: Callable[[BaseException], None] = lambda e: None):
+    def __init__(self, replica: "Replica", sid: str, timeout_s: float, deadline: float | None,
+                 on_unavailable: Callable[["Replica", BaseException], None] = lambda r, e: None):
         self.sid = sid
-        self.stream = _Stream(stub.Session, timeout_s, "target", deadline)
+        self.replica = replica
+        self.stream = _Stream(replica.stub.Session, timeout_s, "target", deadline, replica.address)
         self.on_unavailable = on_unavailable
+        replica.sessions += 1
+        self._closed = False
 
     async def _ask(self, request, during: str):
         try:
             return await self.stream.ask(request, during)
         except Unavailable as e:
-            self.on_unavailable(e)
+            self.on_unavailable(self.replica, e)
             raise
 
     async def open(self, prompt_ids, sampling, seed, max_tokens, max_draft) -> TargetOpenResult:
@@ -143,18 +151,37 @@ class GrpcTargetSession:
         return VerifyResult(v.num_accepted, v.next_token, v.verify_ms, rtt, req.ByteSize())
 
     async def close(self):
+        if not self._closed:
+            self._closed = True
+            self.replica.sessions -= 1
         await self.stream.close()
 
 
 class GrpcDraftSession:
-    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, sid: str, timeout_s: float, deadline: float | None,
-                 max_support: int = 0):
+    """A draft session on one draft replica. A failure that says something about the replica's
+    health (not a full draft, not the request's own deadline) ejects the replica."""
+
+    def __init__(self, replica: "Replica", sid: str, timeout_s: float, deadline: float | None,
+                 on_failure: Callable[["Replica", BaseException], None] = lambda r, e: None, max_support: int = 0):
         self.sid = sid
+        self.replica = replica
         self.max_support = max_support
-        self.stream = _Stream(stub.Session, timeout_s, "draft", deadline)
+        self.stream = _Stream(replica.stub.Session, timeout_s, "draft", deadline, replica.address)
+        self.on_failure = on_failure
+        replica.sessions += 1
+        self._closed = False
+
+    async def _ask(self, request, during: str):
+        try:
+            return await self.stream.ask(request, during)
+        except (ResourceExhausted, DeadlineExceeded):
+            raise
+        except Exception as e:
+            self.on_failure(self.replica, e)
+            raise
 
     async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_tokens, max_draft) -> float:
-        r = await self.stream.ask(draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
+        r = await self._ask(draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
             session_id=self.sid, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sampling),
             target_tokenizer_fingerprint=target_fingerprint, target_vocab_size=target_vocab_size,
             max_support=self.max_support, max_tokens=max_tokens, max_draft=max_draft)), AT_OPEN)
@@ -162,7 +189,7 @@ class GrpcDraftSession:
 
     async def propose(self, keep, append, k, seed) -> DraftResult:
         t0 = time.perf_counter()
-        r = await self.stream.ask(draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(
+        r = await self._ask(draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(
             keep=keep, append_token_ids=append, k=k, seed=seed)), IN_ROUND)
         rtt = (time.perf_counter() - t0) * 1e3
         p = r.proposal
@@ -170,6 +197,9 @@ class GrpcDraftSession:
         return DraftResult(list(p.token_ids), [(list(d.token_ids), list(d.probs)) for d in p.dists], p.draft_ms)
 
     async def close(self):
+        if not self._closed:
+            self._closed = True
+            self.replica.sessions -= 1
         await self.stream.close()
 
 
@@ -187,73 +217,249 @@ def draft_mismatch(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo | N
     return ""
 
 
-class GrpcBackends:
-    """Channels to the target and draft services, and whether each is up.
+# -- replicas ----------------------------------------------------------------------------------------
 
-    A monitor probes both services' Info every `probe_interval_s`: a draft that answers again
-    is re-attached by running requests, and the target's availability is reported through
-    `on_target_change` (the orchestrator's own health follows it). A failed call marks its
-    peer down at once and wakes the monitor.
+@dataclass
+class Replica:
+    """One target or draft service process, as this orchestrator sees it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    info: common_pb2.ModelInfo | None = None
+    up: bool = False  # its last probe answered (and, for a draft, it can draft for the target)
+    problem: str = ""  # why it is not up
+    ejected_until: float = 0.0  # time.monotonic(): a call to it failed, new sessions go elsewhere
+    sessions: int = 0  # sessions this orchestrator has open on it
+
+    def available(self, now: float) -> bool:
+        return self.up and now >= self.ejected_until
+
+    def load(self) -> tuple[int, int]:
+        return self.sessions, self.info.active_sessions if self.info is not None else 0
+
+
+def split_addresses(spec: str) -> list[str]:
+    """"host:port", or several separated by commas."""
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+async def resolve_addresses(spec: str) -> dict[str, str]:
+    """Every replica `spec` names: each listed address, and each address a DNS name resolves to
+    (a Kubernetes headless Service gives one per ready pod), with the name a replica's TLS
+    certificate must carry when its address is an IP resolved from a name (else ""). IPv4
+    answers are preferred, so that "localhost" is one replica and not two."""
+    loop = asyncio.get_running_loop()
+    out: dict[str, str] = {}
+    for address in split_addresses(spec):
+        host, _, port = address.rpartition(":")
+        if not host or _is_ip(host) or not port.isdigit():
+            out[address] = ""
+            continue
+        try:
+            infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError:
+            infos = []
+        v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
+        v6 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
+        ips = v4 or v6
+        if len(ips) <= 1:
+            out[address] = ""  # one (or no) answer: let gRPC resolve it, as it always did
+        else:
+            out.update({f"{ip}:{port}" if ":" not in ip else f"[{ip}]:{port}": host for ip in ips})
+    return out
+
+
+class ReplicaSet:
+    """The replicas of one service: where its address points, which of them answer, and the least
+    loaded one for a new session. A replica whose call failed is ejected for `ejection_s`: new
+    sessions go to the others, and it is used again before then only when no other one answers."""
+
+    def __init__(self, kind: str, spec: str, make_stub, ejection_s: float,
+                 channel_factory: Callable[[str, str], grpc.aio.Channel]):
+        self.kind = kind
+        self.spec = spec
+        self.make_stub = make_stub
+        self.ejection_s = ejection_s
+        self.channel_factory = channel_factory
+        self.replicas: dict[str, Replica] = {}
+        self._retired: list[Replica] = []  # gone from DNS, channel closed when their sessions end
+        for address in split_addresses(spec):
+            self._add(address)
+
+    def _add(self, address: str, server_name: str = "") -> None:
+        channel = self.channel_factory(address, server_name)
+        self.replicas[address] = Replica(address, channel, self.make_stub(channel))
+
+    async def resolve(self) -> None:
+        """Follow the address: new replicas join, replicas that are gone leave."""
+        addresses = await resolve_addresses(self.spec)
+        if not addresses:
+            return
+        for address, server_name in addresses.items():
+            if address not in self.replicas:
+                log.info("%s replica %s joined", self.kind, address)
+                self._add(address, server_name)
+        for address in [a for a in self.replicas if a not in addresses]:
+            log.info("%s replica %s left", self.kind, address)
+            self._retired.append(self.replicas.pop(address))
+        for r in [r for r in self._retired if r.sessions == 0]:
+            self._retired.remove(r)
+            await r.channel.close()
+
+    def pick(self, exclude: set[str] = frozenset(), worst: str = "any") -> Replica | None:
+        """The least loaded replica not in `exclude`, from the best group that has one: available,
+        then answering though ejected (when no other answers), then any (a call finds out whether it
+        is back); `worst` names the last group to look in."""
+        now = time.monotonic()
+        candidates = [r for r in self.replicas.values() if r.address not in exclude]
+        groups = {"available": lambda r: r.available(now), "up": lambda r: r.up, "any": lambda r: True}
+        for name, usable in groups.items():
+            pool = [r for r in candidates if usable(r)]
+            if pool:
+                return min(pool, key=Replica.load)
+            if name == worst:
+                break
+        return None
+
+    def eject(self, replica: Replica, error: BaseException) -> None:
+        if replica.up:
+            log.warning("%s replica %s failed, ejected for %.0f s: %s", self.kind, replica.address,
+                        self.ejection_s, error)
+        replica.up = False
+        replica.problem = str(error)
+        replica.ejected_until = time.monotonic() + self.ejection_s
+
+    @property
+    def any_up(self) -> bool:
+        return any(r.up for r in self.replicas.values())
+
+    def first_up(self) -> Replica | None:
+        return next((r for r in self.replicas.values() if r.up), None)
+
+    def statuses(self) -> list[dict]:
+        now = time.monotonic()
+        return [dict(kind=self.kind, address=r.address, up=r.up, ejected=now < r.ejected_until,
+                     sessions=r.sessions, problem="" if r.up else r.problem) for r in self.replicas.values()]
+
+    async def close(self) -> None:
+        for r in [*self.replicas.values(), *self._retired]:
+            await r.channel.close()
+
+
+class GrpcBackends:
+    """The target and draft replicas, and whether each is up.
+
+    A monitor re-resolves the addresses and probes every replica's Info every `probe_interval_s`:
+    a draft that answers again is re-attached by running requests, and whether any target answers
+    is reported through `on_target_change` (the orchestrator's own health follows it). A failed
+    call ejects its replica at once and wakes the monitor; a request whose target fails is moved
+    to another target replica by the engine (`replacement_target_session`).
     """
 
     def __init__(self, target_address: str, draft_address: str, timeout_s: float = 60.0,
                  probe_interval_s: float = 1.0,
-                 on_target_change: Callable[[bool], Awaitable[None]] | None = None):
-        self.target_channel = grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS)
-        self.target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
+                 on_target_change: Callable[[bool], Awaitable[None]] | None = None,
+                 ejection_s: float = 10.0,
+                 channel_factory: Callable[[str, str], grpc.aio.Channel] | None = None):
+        """`channel_factory(address, server_name)`: a channel to one replica (plaintext by default;
+        `server_name` is the name its TLS certificate carries when `address` is a resolved IP)."""
+        factory = channel_factory or (lambda a, name: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS))
+        self.targets = ReplicaSet("target", target_address, target_pb2_grpc.TargetServiceStub, ejection_s, factory)
+        self.drafts = ReplicaSet("draft", draft_address, draft_pb2_grpc.DraftServiceStub, ejection_s, factory)
         self.target_address = target_address
         self.draft_address = draft_address
-        self.draft_channel = grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS) if draft_address else None
-        self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel) if self.draft_channel else None
         self.timeout_s = timeout_s
         self.probe_interval_s = probe_interval_s
         self.on_target_change = on_target_change
         self.target: TargetFacts | None = None
-        self.target_info: common_pb2.ModelInfo | None = None
-        self.draft_info: common_pb2.ModelInfo | None = None
+        self.target_info: common_pb2.ModelInfo | None = None  # the first target to answer: the model served
         self.target_up = False
-        self.draft_up = False
-        self.draft_problem = ""  # why the draft is not offered, when it is not
         self._monitor: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
+    # -- what the orchestrator shows -----------------------------------------------------------
+    @property
+    def draft_up(self) -> bool:
+        return self.drafts.any_up
+
+    @property
+    def draft_info(self) -> common_pb2.ModelInfo | None:
+        r = self.drafts.first_up() or next(iter(self.drafts.replicas.values()), None)
+        return r.info if r is not None else None
+
+    @property
+    def draft_problem(self) -> str:
+        """Why no draft is offered ("" when one is)."""
+        if self.draft_up or not self.drafts.replicas:
+            return ""
+        return "; ".join(r.problem for r in self.drafts.replicas.values() if r.problem)
+
+    def replica_statuses(self) -> list[dict]:
+        return self.targets.statuses() + self.drafts.statuses()
+
+    # -- probing -------------------------------------------------------------------------------
     async def connect_target(self, wait_s: float = 600.0) -> common_pb2.ModelInfo:
-        """Wait until the target answers Info (it answers UNAVAILABLE while loading)."""
+        """Wait until a target replica answers Info (they answer UNAVAILABLE while loading)."""
         deadline = time.monotonic() + wait_s
-        while not await self._probe_target():
+        while True:
+            await self.targets.resolve()
+            await self._probe_targets()
+            if self.targets.any_up:
+                return self.target_info
             if time.monotonic() > deadline:
-                raise Unavailable(f"target service at {self.target_address} did not come up in {wait_s:.0f} s")
+                raise Unavailable(f"no target service at {self.target_address} came up in {wait_s:.0f} s")
             await asyncio.sleep(0.5)
-        return self.target_info
 
-    async def _probe_target(self) -> bool:
+    async def _probe_targets(self) -> None:
+        await asyncio.gather(*(self._probe_target(r) for r in list(self.targets.replicas.values())))
+
+    async def _probe_target(self, r: Replica) -> None:
         try:
-            info = await self.target_stub.Info(common_pb2.InfoRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            return False
-        self.target_info = info
-        self.target = TargetFacts(info.tokenizer_fingerprint, info.vocab_size, info.max_context,
-                                  list(info.eos_token_ids))
-        return True
+            info = await r.stub.Info(common_pb2.InfoRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            r.up, r.problem = False, f"the target service at {r.address} does not answer ({e.code().name})"
+            return
+        if self.target_info is None:
+            self.target_info = info
+            self.target = TargetFacts(info.tokenizer_fingerprint, info.vocab_size, info.max_context,
+                                      list(info.eos_token_ids))
+        problem = _replica_mismatch(info, self.target_info)
+        if problem and problem != r.problem:
+            log.error("target replica %s: %s", r.address, problem)
+        r.info, r.up, r.problem = info, not problem, problem
 
-    async def _probe_draft(self) -> bool:
+    async def _probe_draft(self, r: Replica) -> None:
         """Up = it answers and can draft for this target (same tokenizer, vocabulary not larger)."""
         try:
-            self.draft_info = await self.draft_stub.Info(common_pb2.InfoRequest(), timeout=2.0)
+            r.info = await r.stub.Info(common_pb2.InfoRequest(), timeout=2.0)
         except grpc.aio.AioRpcError as e:
-            self.draft_problem = f"the draft service at {self.draft_address} does not answer ({e.code().name})"
-            return False
-        problem = draft_mismatch(self.draft_info, self.target_info)
-        if problem and problem != self.draft_problem:
+            r.up, r.problem = False, f"the draft service at {r.address} does not answer ({e.code().name})"
+            return
+        problem = draft_mismatch(r.info, self.target_info)
+        if problem and problem != r.problem:
             log.error("%s", problem)
-        self.draft_problem = problem
-        return not problem
+        if not problem and not r.up:
+            log.info("draft service %s is available (%s, %s)", r.address, r.info.engine, r.info.model)
+        r.up, r.problem = not problem, problem
+
+    async def _probe_all(self) -> None:
+        await asyncio.gather(self.targets.resolve(), self.drafts.resolve())
+        await self._probe_targets()
+        await asyncio.gather(*(self._probe_draft(r) for r in list(self.drafts.replicas.values())))
+        await self._set_target_up(self.targets.any_up)
 
     async def refresh(self) -> None:
-        """Probe both services now (their Info, with its live occupancy)."""
-        await self._set_target_up(await self._probe_target())
-        if self.draft_stub is not None:
-            self.draft_up = await self._probe_draft()
+        """Probe every replica now (their Info, with its live occupancy)."""
+        await self._probe_all()
 
     def start_monitor(self) -> None:
         if self._monitor is None:
@@ -261,15 +467,10 @@ class GrpcBackends:
 
     async def _monitor_loop(self) -> None:
         while True:
-            await self._set_target_up(await self._probe_target())
-            if self.draft_stub is not None:
-                up = await self._probe_draft()
-                if up and not self.draft_up:
-                    log.info("draft service %s is available (%s, %s)", self.draft_address,
-                             self.draft_info.engine, self.draft_info.model)
-                elif not up and self.draft_up:
-                    log.warning("draft service %s stopped answering", self.draft_address)
-                self.draft_up = up
+            try:
+                await self._probe_all()
+            except Exception:  # noqa: BLE001 - the monitor must outlive any one probe
+                log.exception("replica probe failed")
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.probe_interval_s)
@@ -287,34 +488,57 @@ class GrpcBackends:
         if self.on_target_change is not None:
             await self.on_target_change(up)
 
-    def target_failed(self, error: BaseException) -> None:
-        """A call to the target found it unavailable: report it now, and let the monitor confirm."""
-        if self.target_up:
+    # -- sessions ------------------------------------------------------------------------------
+    def _target_failed(self, replica: Replica, error: BaseException) -> None:
+        """A call found this target replica unavailable: eject it now, let the monitor confirm."""
+        self.targets.eject(replica, error)
+        if self.target_up and not self.targets.any_up:
             asyncio.ensure_future(self._set_target_up(False))
         self._wake.set()
 
+    def _draft_replica_failed(self, replica: Replica, error: BaseException) -> None:
+        self.drafts.eject(replica, error)
+        self._wake.set()
+
+    def _target_session(self, replica: Replica, sid: str, deadline: float | None) -> GrpcTargetSession:
+        return GrpcTargetSession(replica, sid, self.timeout_s, deadline, self._target_failed)
+
     def new_target_session(self, sid: str, deadline: float | None) -> GrpcTargetSession:
-        return GrpcTargetSession(self.target_stub, sid, self.timeout_s, deadline, self.target_failed)
+        replica = self.targets.pick()
+        if replica is None:
+            raise Unavailable(f"no target service at {self.target_address!r}")
+        return self._target_session(replica, sid, deadline)
+
+    def replacement_target_session(self, failed: list[GrpcTargetSession], sid: str,
+                                   deadline: float | None) -> GrpcTargetSession | None:
+        """A session on another target replica that answers, for a request whose target failed;
+        None when there is none."""
+        replica = self.targets.pick(exclude={s.replica.address for s in failed}, worst="up")
+        return None if replica is None else self._target_session(replica, sid, deadline)
 
     def new_draft_session(self, sid: str, deadline: float | None) -> GrpcDraftSession | None:
-        if self.draft_stub is None or not self.draft_up:
-            return None
-        return GrpcDraftSession(self.draft_stub, sid, self.timeout_s, deadline)
+        """A session on the least loaded draft replica that is up; None when none is."""
+        replica = self.drafts.pick(worst="up")
+        return None if replica is None else GrpcDraftSession(replica, sid, self.timeout_s, deadline, self._draft_replica_failed)
 
     def draft_failed(self, error: BaseException) -> None:
-        """A draft call failed: the request goes on target-only. A full draft, or a call cut by the
-        request's own deadline, says nothing about the draft's health: it stays offered to other
-        requests; otherwise the draft is down until the monitor sees it answer again."""
-        if isinstance(error, (ResourceExhausted, DeadlineExceeded)):
-            return
-        if self.draft_up:
-            log.warning("draft service marked unavailable: %s", error)
-        self.draft_up = False
+        """A draft call failed and the request goes on target-only. The session already ejected
+        its replica if the failure says the replica is unwell (a full draft, or a call cut by the
+        request's own deadline, does not); the monitor probes at once."""
         self._wake.set()
 
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
-        await self.target_channel.close()
-        if self.draft_channel is not None:
-            await self.draft_channel.close()
+        await self.targets.close()
+        await self.drafts.close()
+
+
+def _replica_mismatch(info: common_pb2.ModelInfo, first: common_pb2.ModelInfo) -> str:
+    """Why a target replica cannot serve with the others ("" when it can): every replica must
+    serve the same model, since a request may move from one to another."""
+    if (info.tokenizer_fingerprint, info.vocab_size) != (first.tokenizer_fingerprint, first.vocab_size):
+        return (f"it serves {info.model!r} ({info.tokenizer_fingerprint[:12]}, vocabulary {info.vocab_size}), "
+                f"the first target served {first.model!r} ({first.tokenizer_fingerprint[:12]}, "
+                f"vocabulary {first.vocab_size}): not used")
+    return ""

@@ -35,7 +35,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from specdec.aio import cancel_and_wait, cancelled_by_caller, quietly
 from specdec.config import OrchestratorConfig
-from specdec.errors import InvalidArgument, RoundRejected
+from specdec.errors import InvalidArgument, ResourceExhausted, RoundRejected, Unavailable
 from specdec.kchoice import PRIOR_ACCEPTANCE, AcceptanceHistory, CostModel
 from specdec.modes import Mode
 from specdec.sampling import SamplingParams, derive_seed
@@ -43,8 +43,6 @@ from specdec.stats import RoundRecord, Summary, summarize
 
 log = logging.getLogger(__name__)
 
-MAX_STOP_SEQUENCES = 8
-MAX_STOP_LENGTH = 128
 SparseDist = tuple[list[int], list[float]]
 
 
@@ -120,6 +118,10 @@ class Backends(Protocol):
     target: TargetFacts
 
     def new_target_session(self, session_id: str, deadline: float | None) -> TargetSession: ...
+
+    def replacement_target_session(self, failed: list[TargetSession], session_id: str,
+                                   deadline: float | None) -> TargetSession | None:
+        """A session on another target replica, not one of those `failed`; None when there is none."""
 
     def new_draft_session(self, session_id: str, deadline: float | None) -> DraftSession | None:
         """None while the draft is known to be unavailable."""
@@ -226,6 +228,7 @@ class Run:
     rounds_without: int = 0  # consecutive rounds adaptive k ran without drafts
     ttft_ms: float = 0.0
     finish_reason: str = ""
+    failed_targets: list[TargetSession] = field(default_factory=list)  # replicas this request left
 
     @property
     def wants_draft(self) -> bool:
@@ -251,6 +254,9 @@ class Run:
                 await quietly(draft.close(), "draft session close")
 
 
+# how many times one request may move to another target replica
+MAX_TARGET_MOVES = 4
+
 # the smallest k worth a draft step under load: with the default pair on this CPU, k = 1 at
 # 8 clients gave 44 tok/s against 53 without drafts (BENCHMARKS.md §6)
 MIN_SHARED_K = 2
@@ -267,6 +273,7 @@ class Orchestrator:
         self.default_mode = Mode.parse(self.config.default_mode)
         self.speculating = 0  # requests running in a speculative mode now (they share the draft)
         self.costs = CostModel()  # what rounds cost, for adaptive k
+        self.target_moves = 0  # requests moved to another target replica mid-request
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
         run = self._start(self.validate(req))
@@ -286,7 +293,10 @@ class Orchestrator:
         drafts = await self._get_drafts(run, self._round_k(run))
         spec = self._start_speculation(run, drafts)
         t_verify = time.perf_counter()
-        v = await self._verify(run, drafts, spec)
+        try:
+            v = await self._verify(run, drafts, spec)
+        except Unavailable as e:
+            return await self._fail_over(run, e, t0)
         rec = await self._reconcile(run, drafts, v, spec, t_verify)
         return self._commit(run, drafts.tokens[:v.num_accepted] + [v.next_token], rec, t0)
 
@@ -295,6 +305,9 @@ class Orchestrator:
         t, c = self.backends.target, self.config
         if not req.prompt_ids:
             raise InvalidArgument("prompt is empty")
+        if len(req.prompt_ids) > c.max_prompt_tokens:
+            raise InvalidArgument(f"prompt is {len(req.prompt_ids)} tokens, over the limit of {c.max_prompt_tokens} "
+                                  f"(max_prompt_tokens)")
         if req.max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
         if len(req.prompt_ids) + req.max_tokens > t.max_context:
@@ -314,10 +327,12 @@ class Orchestrator:
         if req.draft_sampling is None:
             req.draft_sampling = self._default_draft_sampling(req.sampling)
         req.draft_sampling.validate("draft_")
-        if len(req.stop) > MAX_STOP_SEQUENCES:
-            raise InvalidArgument(f"stop: at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}")
-        if any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
-            raise InvalidArgument(f"stop: each stop sequence must have 1 to {MAX_STOP_LENGTH} characters")
+        if len(req.stop) > c.max_stop_strings:
+            raise InvalidArgument(f"stop: at most {c.max_stop_strings} stop sequences (max_stop_strings), "
+                                  f"got {len(req.stop)}")
+        if any(not s or len(s) > c.max_stop_string_chars for s in req.stop):
+            raise InvalidArgument(f"stop: each stop sequence must have 1 to {c.max_stop_string_chars} characters "
+                                  f"(max_stop_string_chars)")
         if req.seed is None:
             req.seed = random.getrandbits(63)
         return req
@@ -342,18 +357,57 @@ class Orchestrator:
 
     async def _open(self, run: Run) -> Event:
         """Prefill the target, the draft's session opening alongside; emit the first token as
-        soon as the target's prefill is done (the draft joins when it is ready)."""
+        soon as the target's prefill is done (the draft joins when it is ready). A target replica
+        that is down or full at open is replaced by another, when there is one."""
         req = run.req
-        opening = asyncio.ensure_future(run.target.open(req.prompt_ids, req.sampling, derive_seed(run.seed, 0),
-                                                        req.max_tokens, req.k))
+        open_target = lambda: asyncio.ensure_future(run.target.open(  # noqa: E731
+            req.prompt_ids, req.sampling, derive_seed(run.seed, 0), req.max_tokens, req.k))
+        opening = open_target()
         self._start_attach_if_due(run)
-        try:
-            opened = await opening
-        except BaseException:
-            await cancel_and_wait(opening)  # a cancelled request does not wait for the prefill
-            raise
+        while True:
+            try:
+                opened = await _settled(opening)
+                break
+            except (Unavailable, ResourceExhausted) as e:
+                await self._move_target(run, e)
+                opening = open_target()
         run.ttft_ms = (time.perf_counter() - run.started) * 1e3
         return self._commit(run, [opened.first_token], None, None)
+
+    async def _move_target(self, run: Run, error: Exception) -> None:
+        """Move the request to another target replica (raise `error` when there is none): a new
+        session there; the caller prefills it with everything committed."""
+        if len(run.failed_targets) >= MAX_TARGET_MOVES:
+            raise error
+        run.failed_targets.append(run.target)
+        new = self.backends.replacement_target_session(run.failed_targets, f"{run.sid}-t{len(run.failed_targets)}",
+                                                       run.req.deadline)
+        if new is None:
+            raise error
+        log.warning("target failed for request %s (%s); moving it to another replica with %d committed tokens",
+                    run.sid, error, len(run.committed))
+        old, run.target = run.target, new
+        await quietly(old.close(), "failed target session close")
+
+    async def _fail_over(self, run: Run, error: Unavailable, t0: float) -> Event:
+        """The target replica failed mid-request: reopen the session on another one with every
+        committed token as its prompt; the token the prefill samples is the round's output.
+        Greedy output is unchanged; a sampled continuation is a sample from the target given
+        what was committed (with a seed of its own: same seed, same tokens does not hold across
+        a failover)."""
+        run.ready = None  # drafts speculated for the old session's round: the round is lost
+        await self._reopen_draft(run)
+        while True:
+            await self._move_target(run, error)
+            seed = derive_seed(run.seed, 2, len(run.failed_targets))
+            try:
+                opened = await run.target.open(run.committed, run.req.sampling, seed, run.remaining, run.req.k)
+                break
+            except (Unavailable, ResourceExhausted) as e:
+                error = e
+        self.target_moves += 1
+        rec = RoundRecord(k=0, accepted=0, verify_ms=opened.prefill_ms, target_moved=True)
+        return self._commit(run, [opened.first_token], rec, t0)
 
     async def _attach_draft_if_due(self, run: Run) -> None:
         """The round's draft. A greedy request does not wait for a draft session that is still
@@ -394,6 +448,14 @@ class Orchestrator:
             return
         # the first propose appends what the target committed meanwhile (keep = len(holds))
         run.draft, run.opening_draft, run.draft_holds, run.ready = ds, None, holds, None
+
+    async def _reopen_draft(self, run: Run) -> None:
+        """Close the request's draft session (a speculation cut short left its stream with a reply
+        in flight) and open a fresh one on what is committed, in the background."""
+        draft, run.draft, run.ready = run.draft, None, None
+        if draft is not None:
+            await quietly(draft.close(), "draft session close")
+            run.next_attach = 0.0
 
     async def _drop_draft(self, run: Run, error: BaseException) -> None:
         log.warning("draft failed mid-request (%s); continuing target-only", error)
@@ -547,6 +609,16 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+async def _settled(task: asyncio.Future):
+    """Await a task; if this request is cancelled meanwhile, cancel the task and wait for it to end
+    (a cancelled request does not wait for a prefill)."""
+    try:
+        return await task
+    except BaseException:
+        await cancel_and_wait(task)
+        raise
 
 
 async def _timed(propose, *args) -> DraftResult:

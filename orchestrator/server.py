@@ -6,16 +6,15 @@ import logging
 import math
 import time
 from dataclasses import asdict
-
 import grpc
 
 from orchestrator.clients import GrpcBackends
 from orchestrator.engine import GenerationRequest, Orchestrator
-from specdec import hf_compat, metrics, models
+from specdec import hf_compat, metrics, models, security
 from specdec.config import OrchestratorConfig
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.modes import Mode
-from specdec.rpc import Server, Servicer, add_servicer, boundary, sampling_from_proto
+from specdec.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS, Server, Servicer, add_servicer, boundary, sampling_from_proto
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, specdec_pb2, specdec_pb2_grpc
 
@@ -52,6 +51,13 @@ class Prompter:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def server_options(cfg: OrchestratorConfig) -> list[tuple[str, object]]:
+    """SERVER_OPTIONS with the receive limit at max_request_bytes: grpc itself answers a larger
+    request RESOURCE_EXHAUSTED ("Received message larger than max") before any handler runs."""
+    limit = "grpc.max_receive_message_length"
+    return [*(o for o in SERVER_OPTIONS if o[0] != limit), (limit, cfg.max_request_bytes)]
+
+
 def _sampling(msg, has: bool, prefix: str) -> SamplingParams | None:
     if not has:
         return None
@@ -85,14 +91,16 @@ class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer, Servicer):
         return specdec_pb2.ServerInfo(
             target=b.target_info, draft=b.draft_info or common_pb2.ModelInfo(), draft_available=b.draft_up,
             draft_problem="" if b.draft_up else b.draft_problem, default_k=self.cfg.default_k,
-            max_k=self.cfg.max_k, default_mode=int(self.engine.default_mode))
+            max_k=self.cfg.max_k, default_mode=int(self.engine.default_mode),
+            replicas=[specdec_pb2.ReplicaStatus(**r) for r in b.replica_statuses()])
 
     def _request(self, req: specdec_pb2.GenerateRequest, context) -> GenerationRequest:
         if req.mode not in (0, *[int(m) for m in Mode]):
             raise InvalidArgument(f"unknown mode {req.mode}: use pipelined (1), sequential (2) or target-only (3)")
+        prompt_ids = self.prompter.token_ids(req)
         left = context.time_remaining()
         return GenerationRequest(
-            prompt_ids=self.prompter.token_ids(req),
+            prompt_ids=prompt_ids,
             max_tokens=req.max_tokens,
             sampling=_sampling(req.sampling, req.HasField("sampling"), "") or SamplingParams(),
             draft_sampling=_sampling(req.draft_sampling, req.HasField("draft_sampling"), "draft_"),
@@ -141,6 +149,8 @@ def _observe_round(r) -> None:
     metrics.NUM_WASTED_TOKENS.inc(r.wasted_draft_tokens)
     if not r.draft_available:
         metrics.FALLBACK_ROUNDS.inc()
+    if r.target_moved:
+        metrics.TARGET_MOVES.inc()
 
 
 def _observe_summary(ev) -> None:
@@ -155,15 +165,19 @@ def _observe_summary(ev) -> None:
 
 
 async def serve(cfg: OrchestratorConfig, tokenizer_spec: str = "") -> None:
-    server = Server(cfg.host, cfg.port, [SERVICE_NAME])
+    server = Server(cfg.host, cfg.port, [SERVICE_NAME], credentials=security.server_credentials(cfg),
+                    options=server_options(cfg), interceptors=security.server_interceptors(cfg))
     servicer: SpecDecServicer | None = None
 
     async def follow_target(up: bool) -> None:  # our health is the target's, once we are ready
         if servicer is not None and servicer.ready:
             await server.set_serving(up)
 
+    upstream = security.upstream_channel_credentials(cfg)  # TLS/mTLS to the target and draft, or None
     backends = GrpcBackends(cfg.target_address, cfg.draft_address, cfg.rpc_timeout_s, cfg.probe_interval_s,
-                            on_target_change=follow_target)
+                            on_target_change=follow_target, ejection_s=cfg.replica_ejection_s,
+                            channel_factory=lambda a, name: security.open_channel(a, upstream, CHANNEL_OPTIONS,
+                                                                                server_name=name))
     servicer = SpecDecServicer(cfg, backends)
     add_servicer(server.server, servicer, SERVICE)
     await server.start()

@@ -27,6 +27,7 @@ NUM_ACCEPTED_PER_POS = Counter("specdec:spec_decode_num_accepted_tokens_per_pos"
 NUM_WASTED_TOKENS = Counter("specdec:spec_decode_num_wasted_draft_tokens",
                             "Pipelined speculative draft tokens thrown away")
 FALLBACK_ROUNDS = Counter("specdec:draft_fallback_rounds", "Rounds served target-only because the draft was down")
+TARGET_MOVES = Counter("specdec:target_moves", "Requests moved to another target replica because theirs failed")
 PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens processed")
 GENERATION_TOKENS = Counter("specdec:generation_tokens", "Tokens generated")
 REQUESTS = Counter("specdec:requests", "Finished requests", ["finish_reason"])

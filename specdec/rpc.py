@@ -15,7 +15,7 @@ import inspect
 import logging
 import signal
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -37,12 +37,22 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 60_000),
+    # a peer that is gone without closing its connection (a dead host, a partition) is noticed
+    # within keepalive_time + keepalive_timeout, not after a long RPC timeout; a process that dies
+    # is noticed at once (its connection is reset)
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ("grpc.max_send_message_length", 16 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
+    # accept the clients' keepalive pings (every 10 s) without calling them abusive
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -99,7 +109,7 @@ def lenient_parser(message_class) -> Callable[[bytes], object]:
     return parse
 
 
-_HANDLER_KINDS = {
+HANDLER_KINDS = {  # (request streaming, response streaming) -> the handler constructor
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -114,7 +124,7 @@ def add_servicer(server: grpc.aio.Server, servicer, service: ServiceDescriptor) 
     for m in service.methods:
         request_class = message_factory.GetMessageClass(m.input_type)
         response_class = message_factory.GetMessageClass(m.output_type)
-        handlers[m.name] = _HANDLER_KINDS[m.client_streaming, m.server_streaming](
+        handlers[m.name] = HANDLER_KINDS[m.client_streaming, m.server_streaming](
             getattr(servicer, m.name), request_deserializer=lenient_parser(request_class),
             response_serializer=response_class.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
@@ -243,15 +253,21 @@ def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None
 
 
 class Server:
-    """A grpc.aio server with health checking and reflection for the given services."""
+    """A grpc.aio server with health checking and reflection for the given services: TLS on its
+    port with `credentials` (specdec.security.server_credentials), plaintext without; `options`
+    replace SERVER_OPTIONS; `interceptors` see every call (the orchestrator's bearer token)."""
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str]):
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, host: str, port: int, service_names: Iterable[str], *,
+                 credentials: grpc.ServerCredentials | None = None,
+                 options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        self.server = grpc.aio.server(options=list(options), interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
         enable_reflection(self.server, [*self.service_names, health.SERVICE_NAME])
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                     else self.server.add_insecure_port(f"{host}:{port}"))
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"

@@ -26,6 +26,7 @@ class RoundRecord:
     round_ms: float = 0.0
     pipeline_hit: bool = False  # pipelined: drafts reused from the previous round's speculation
     spec_wait_ms: float = 0.0  # pipelined: verify result waiting for the speculative draft
+    target_moved: bool = False  # the target replica failed: this round reopened the session on another
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Summary:
     verify_ms_total: float = 0.0
     overlap_ms_total: float = 0.0
     draft_fallback_rounds: int = 0
+    target_moves: int = 0
     mean_wire_bytes_per_round: float = 0.0
 
 
@@ -97,5 +99,6 @@ def summarize(rounds: list[RoundRecord], prompt_tokens: int, completion_tokens: 
         verify_ms_total=sum(r.verify_ms for r in rounds),
         overlap_ms_total=sum(r.overlap_ms for r in rounds),
         draft_fallback_rounds=sum(1 for r in rounds if not r.draft_available),
+        target_moves=sum(1 for r in rounds if r.target_moved),
         mean_wire_bytes_per_round=sum(r.wire_bytes for r in rounds) / len(rounds) if rounds else 0.0,
     )

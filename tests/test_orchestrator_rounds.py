@@ -44,6 +44,10 @@ class FakeTarget:
 
     async def open(self, prompt_ids, sampling, seed, max_tokens, max_draft) -> TargetOpenResult:
         await asyncio.sleep(0)
+        w = self.world
+        w.opens += 1
+        if w.target_fails_on_open == w.opens:
+            raise Unavailable("target service unavailable at session open (fake)")
         self.seq = list(prompt_ids)
         self.pending = next_token(self.seq)
         return TargetOpenResult(self.pending, 1.0)
@@ -113,6 +117,9 @@ class World:
     target: TargetFacts = field(default_factory=lambda: TargetFacts("fp", V, 4096, [EOS]))
     draft_fails_on_call: int = 0  # the Nth propose call raises
     target_fails_on_verify: int = 0  # the Nth verify raises Unavailable
+    target_fails_on_open: int = 0  # the Nth target open raises Unavailable
+    target_replicas: int = 1  # how many target sessions a request may try (one per replica)
+    opens: int = 0
     empty_speculation: bool = False
     wrong_at: set[int] = field(default_factory=set)  # absolute positions the draft gets wrong
     draft_up: bool = True
@@ -129,6 +136,11 @@ class World:
     def new_target_session(self, sid, deadline):
         self.targets.append(FakeTarget(self))
         return self.targets[-1]
+
+    def replacement_target_session(self, failed, sid, deadline):
+        if len(failed) >= self.target_replicas:
+            return None
+        return self.new_target_session(sid, deadline)
 
     def new_draft_session(self, sid, deadline):
         if not self.draft_up:
@@ -242,6 +254,24 @@ def test_the_target_failing_mid_request_ends_it_with_the_target_error(mode):
     with pytest.raises(Unavailable, match="target"):
         run(w, mode)
     assert closed_everything(w)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("fails", ["open", "verify"])
+def test_a_target_that_fails_with_another_replica_up_moves_the_request_and_changes_nothing(mode, fails):
+    """With a second target replica, a failed target (at open, or mid-request with a speculative
+    draft call in flight) costs nothing but time: the request reopens there with what it has
+    committed, the output is the target-only output, and every session is closed."""
+    w = World(target_replicas=2, draft_s=0.01, **{f"target_fails_on_{fails}": 3 if fails == "verify" else 1})
+    tokens, rounds, summary = run(w, mode)
+    assert tokens == reference(PROMPT, 40)
+    assert summary.target_moves == (1 if fails == "verify" else 0)
+    assert len(w.targets) == 2 and closed_everything(w)
+    if fails == "verify":
+        moved = [r for r in rounds if r.target_moved]
+        assert len(moved) == 1 and moved[0].k == 0
+    if mode != Mode.TARGET_ONLY:
+        assert summary.draft_tokens > 0  # the draft came back after the move
 
 
 def test_eos_and_stop_are_found_in_what_is_new():

@@ -1,0 +1,202 @@
+"""Two target replicas behind one orchestrator, as real processes on loopback (tiny models).
+
+A target that dies mid-request does not take the request with it: the orchestrator reopens the
+session on the other replica with every committed token and carries on, and greedy output is
+unchanged. A rolling restart (SIGTERM: the replica drains, then exits) under load fails no
+request. Cancels and deadlines free everything in every service, both replicas included.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from specdec import Client
+from specdec.lab.live import scrape_metrics
+from conftest import tiny_config, with_metrics
+from specdec.launcher import MODULES, Stack, free_port
+from specdec.modes import LABELS
+
+pytestmark = pytest.mark.slow
+
+PROMPT = list(range(100, 140))
+
+
+class TwoTargets(Stack):
+    """The usual three services plus a second target replica ("target2") on its own ports; the
+    orchestrator is given both target addresses."""
+
+    def __init__(self, cfg, log_dir):
+        super().__init__(cfg, log_dir)
+        self.port2, self.metrics_port2 = free_port(), free_port()
+        cfg.orchestrator.target_address = f"{self.address('target')},{self.address('target2')}"
+        self.config_path.write_text(cfg.to_toml())
+
+    def address(self, service: str) -> str:
+        if service == "target2":
+            return f"{self.cfg.target.host}:{self.port2}"
+        return super().address(service)
+
+    def start_service(self, service: str) -> subprocess.Popen:
+        if service != "target2":
+            return super().start_service(service)
+        log = open(self.dir / "target2.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", MODULES["target"], "--config", str(self.config_path),
+                              "--port", str(self.port2), "--metrics-port", str(self.metrics_port2)],
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs["target2"] = p
+        return p
+
+    def start(self) -> "TwoTargets":
+        super().start()
+        self.start_service("target2")
+        return self
+
+    def stop(self) -> None:
+        super().stop()
+        self.stop_service("target2")
+
+    def metrics_of(self, service: str) -> dict[str, float]:
+        c = self.cfg
+        port = self.metrics_port2 if service == "target2" else getattr(c, service).metrics_port
+        return scrape_metrics(c.target.host, port)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_models, tmp_path_factory):
+    cfg = with_metrics(tiny_config(tiny_models))
+    cfg.target.shutdown_grace_s = 1.0  # a draining replica cuts what is still running after 1 s
+    cfg.orchestrator.probe_interval_s = 0.5
+    cfg.orchestrator.replica_ejection_s = 3.0
+    with TwoTargets(cfg, tmp_path_factory.mktemp("replicas")).start() as stack:
+        stack.wait_ready(300)
+        yield stack
+
+
+def serving_target(stack: TwoTargets) -> str:
+    """The target replica ("target" or "target2") holding this orchestrator's sessions."""
+    with Client(stack.address("orchestrator")) as c:
+        reps = {r["address"]: r for r in c.info()["replicas"] if r["kind"] == "target"}
+    busy = [a for a, r in reps.items() if r.get("sessions", 0) > 0]
+    assert len(busy) == 1, reps
+    return "target" if busy[0] == stack.address("target") else "target2"
+
+
+def restart(stack: TwoTargets, service: str, sig: int) -> None:
+    stack.stop_service(service, sig)
+    stack.start_service(service)
+    stack.wait_ready(120, [service])
+
+
+def occupancy(stack: TwoTargets) -> dict[str, float]:
+    out = {"requests_running": stack.metrics_of("orchestrator")["specdec:num_requests_running"]}
+    for s in ("target", "target2", "draft"):
+        m = stack.metrics_of(s)
+        kind = "draft" if s == "draft" else "target"
+        for name in ("sessions", "kv_cache_tokens", "kv_blocks_used", "kv_blocks_reserved"):
+            out[f"{s}_{name}"] = m[f'specdec:{name}{{service="{kind}"}}']
+    return out
+
+
+def wait_all_zero(stack: TwoTargets, within_s: float) -> dict[str, float]:
+    deadline = time.monotonic() + within_s
+    while True:
+        g = occupancy(stack)
+        if not any(g.values()) or time.monotonic() > deadline:
+            return g
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", LABELS)
+def test_a_target_killed_mid_request_moves_it_to_the_other_replica_and_changes_nothing(replicas, mode):
+    stack = replicas
+    with Client(stack.address("orchestrator"), timeout=120) as c:
+        reference = c.complete(token_ids=PROMPT, max_tokens=300, ignore_eos=True, mode="target-only").token_ids
+        tokens, summary = [], None
+        for i, chunk in enumerate(c.generate(token_ids=PROMPT, max_tokens=300, ignore_eos=True, mode=mode, k=4)):
+            tokens += chunk.token_ids
+            if i == 3:
+                victim = serving_target(stack)
+                stack.stop_service(victim, signal.SIGKILL)
+            if chunk.HasField("summary"):
+                summary = chunk.summary
+    assert tokens == reference
+    assert summary.target_moves == 1
+    stack.start_service(victim)
+    stack.wait_ready(120, [victim])
+    g = wait_all_zero(stack, 2.0)
+    assert not any(g.values()), g
+
+
+def test_a_rolling_restart_under_load_fails_no_request(replicas):
+    """4 clients send greedy requests without pause while each target replica in turn is sent
+    SIGTERM (it drains for 1 s, then exits: longer requests are cut and move to the other
+    replica) and restarted. No request fails, every output equals its target-only reference."""
+    stack = replicas
+    with Client(stack.address("orchestrator"), timeout=120) as c:
+        prompts = [[100 + 7 * i + j for j in range(20 + 5 * i)] for i in range(4)]
+        refs = [c.complete(token_ids=p, max_tokens=120, ignore_eos=True, mode="target-only").token_ids
+                for p in prompts]
+    stop = threading.Event()
+    results: list[tuple[int, object]] = []
+
+    def client(i: int) -> None:
+        with Client(stack.address("orchestrator"), timeout=120) as c:
+            while not stop.is_set():
+                try:
+                    res = c.complete(token_ids=prompts[i], max_tokens=120, ignore_eos=True, k=4)
+                    results.append((i, res))
+                except grpc.RpcError as e:
+                    results.append((i, e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)
+        for service in ("target", "target2"):
+            restart(stack, service, signal.SIGTERM)
+            time.sleep(2.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    failed = [(i, r.code(), r.details()) for i, r in results if isinstance(r, grpc.RpcError)]
+    assert not failed, failed
+    assert len(results) >= 8
+    wrong = [i for i, r in results if r.token_ids != refs[i]]
+    assert not wrong, wrong
+    moved = sum(r.stats["target_moves"] for _, r in results)
+    assert moved >= 1, "no request was running on a draining replica: the test did not test a move"
+    g = wait_all_zero(stack, 2.0)
+    assert not any(g.values()), g
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline-in-prefill", "deadline-mid-request"])
+def test_cancels_and_deadlines_free_every_service_within_1s(replicas, how):
+    stack = replicas
+    stack.wait_ready(120)
+    long_prompt = [(i * 37) % 30000 + 100 for i in range(900)]
+    for _ in range(2):  # least-loaded placement alternates: both replicas see one
+        if how == "cancel":
+            with Client(stack.address("orchestrator"), timeout=60) as c:
+                stream = c.generate(token_ids=PROMPT, max_tokens=400, ignore_eos=True, k=4)
+                next(stream)
+                next(stream)
+                stream.close()  # cancels the call
+        else:
+            timeout = 0.05 if how == "deadline-in-prefill" else 0.6
+            with Client(stack.address("orchestrator"), timeout=timeout) as c:
+                with pytest.raises(grpc.RpcError) as e:
+                    if how == "deadline-in-prefill":
+                        c.complete(token_ids=long_prompt, max_tokens=100, ignore_eos=True, k=4)
+                    else:
+                        c.complete(token_ids=PROMPT, max_tokens=900, ignore_eos=True, k=4)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        g = wait_all_zero(stack, 1.0)
+        assert not any(g.values()), (how, g)
