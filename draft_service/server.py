@@ -7,7 +7,7 @@ import logging
 import grpc
 
 from draft_service.engine import DraftEngine, NgramDraftEngine
-from specdec import metrics
+from specdec import metrics, security
 from specdec.config import DraftConfig
 from specdec.devices import configure_process, resolve_device
 from specdec.errors import InvalidArgument
@@ -69,7 +69,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer, Servicer):
 async def serve(cfg: DraftConfig) -> None:
     device = resolve_device(cfg.device)
     configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
-    server = Server(cfg.host, cfg.port, [SERVICE_NAME])
+    server = Server(cfg.host, cfg.port, [SERVICE_NAME], credentials=security.server_credentials(cfg))
     servicer = DraftServicer(cfg, device)
     add_servicer(server.server, servicer, SERVICE)
     await server.start()

@@ -9,6 +9,10 @@
 A plain `prompt` string is sent as one user chat message (rendered with the target
 tokenizer's chat template); `text=` sends raw text, `messages=` a chat, `token_ids=` ids.
 Errors surface as `grpc.RpcError` with the server's status code and message.
+
+A server with TLS: `ca_file=` (the CA that signed its certificate) or `tls=True` (the system's
+roots), plus `cert_file=`/`key_file=` when it requires a client certificate (mTLS). With a bearer
+token, `token=` sends `authorization: Bearer <token>` on every call.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from specdec import security
 from specdec.modes import Mode
 from specdec.v1 import common_pb2, specdec_pb2, specdec_pb2_grpc
 
@@ -115,17 +120,26 @@ class ResultCollector:
         return GenerationResult(list(s.prompt_token_ids), self.tokens, "".join(self.text), stats, self.rounds)
 
 
+def sdk_credentials(ca_file: str | None, tls: bool, cert_file: str | None,
+                    key_file: str | None) -> grpc.ChannelCredentials | None:
+    """The SDK's channel credentials: TLS when given a CA file or tls=True; None = plaintext."""
+    return security.channel_credentials(ca_file or "", cert_file or "", key_file or "", system_roots=tls)
+
+
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 600.0):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 600.0, *,
+                 ca_file: str | None = None, tls: bool = False, cert_file: str | None = None,
+                 key_file: str | None = None, token: str | None = None):
+        self.channel = security.open_channel(address, sdk_credentials(ca_file, tls, cert_file, key_file), aio=False)
         self.stub = specdec_pb2_grpc.SpecDecStub(self.channel)
         self.timeout = timeout
+        self.metadata = security.bearer_metadata(token)
 
     def generate(self, prompt: str | None = None, **kw) -> Iterator[specdec_pb2.GenerateChunk]:
         """Stream chunks: text delta, token ids and round stats; the last one carries the summary.
         Stopping early (closing the iterator, or leaving the loop and dropping it) cancels the
         request, and the server frees what it held."""
-        call = self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout)
+        call = self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
@@ -141,7 +155,7 @@ class Client:
         return self.complete(prompt, **kw).text
 
     def info(self) -> dict:
-        return info_dict(self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout))
+        return info_dict(self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout, metadata=self.metadata))
 
     def close(self) -> None:
         self.channel.close()
@@ -154,13 +168,16 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 600.0):
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 600.0, *,
+                 ca_file: str | None = None, tls: bool = False, cert_file: str | None = None,
+                 key_file: str | None = None, token: str | None = None):
+        self.channel = security.open_channel(address, sdk_credentials(ca_file, tls, cert_file, key_file))
         self.stub = specdec_pb2_grpc.SpecDecStub(self.channel)
         self.timeout = timeout
+        self.metadata = security.bearer_metadata(token)
 
     async def generate(self, prompt: str | None = None, **kw) -> AsyncIterator[specdec_pb2.GenerateChunk]:
-        call = self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout)
+        call = self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout, metadata=self.metadata)
         try:
             async for chunk in call:
                 yield chunk
@@ -177,7 +194,8 @@ class AsyncClient:
         return (await self.complete(prompt, **kw)).text
 
     async def info(self) -> dict:
-        return info_dict(await self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout))
+        return info_dict(await self.stub.GetInfo(common_pb2.InfoRequest(), timeout=self.timeout,
+                                                 metadata=self.metadata))
 
     async def close(self) -> None:
         await self.channel.close()

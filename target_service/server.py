@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from specdec import metrics
+from specdec import metrics, security
 from specdec.config import TargetConfig
 from specdec.devices import configure_process, resolve_device
 from specdec.errors import InvalidArgument
@@ -66,7 +66,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer, Servicer):
 async def serve(cfg: TargetConfig) -> None:
     device = resolve_device(cfg.device)
     configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
-    server = Server(cfg.host, cfg.port, [SERVICE_NAME])
+    server = Server(cfg.host, cfg.port, [SERVICE_NAME], credentials=security.server_credentials(cfg))
     servicer = TargetServicer(cfg, device)
     add_servicer(server.server, servicer, SERVICE)
     await server.start()  # health answers NOT_SERVING while the model loads
