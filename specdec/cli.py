@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -16,6 +17,7 @@ from importlib.metadata import entry_points
 from specdec.config import SpecdecConfig
 
 COMMAND_PLUGINS = "specdec.commands"  # entry points: callables that add subparsers
+TOKEN_ENV = "SPECDEC_TOKEN"  # the default of --token, so that the token need not be on the command line
 
 
 # -- specdec up ----------------------------------------------------------------------------
@@ -51,15 +53,19 @@ def cmd_up(a) -> int:
         deadline = time.monotonic() + a.timeout
         waiting = set(stack.procs)
         from specdec.launcher import is_serving
+
+        def healthy(s: str) -> bool:  # startup and the supervisor's "healthy again" use the same check
+            return is_serving(stack.address(s))
+
         while waiting and not stop["flag"]:
             for s in list(waiting):
                 if stack.procs[s].poll() is not None:
                     print(f"{s} service exited ({stack.procs[s].returncode}); its log:\n{stack.log(s)[-2000:]}",
                           file=sys.stderr)
                     return 1
-                if is_serving(stack.address(s)):
+                if healthy(s):
                     waiting.discard(s)
-                    print(f"  {s:<12} healthy on {stack.address(s)}", flush=True)
+                    print(f"  {s:<12} healthy on {stack.address(s)} (pid {stack.procs[s].pid})", flush=True)
             if time.monotonic() > deadline:
                 print(f"timed out waiting for {sorted(waiting)}", file=sys.stderr)
                 return 1
@@ -69,11 +75,13 @@ def cmd_up(a) -> int:
         print(f"specdec is up in {time.monotonic() - t0:.0f}s: orchestrator at {stack.address('orchestrator')} "
               f"(try: specdec generate 'Hello' --address {stack.address('orchestrator')}). Ctrl-C stops all three.",
               flush=True)
+        # supervise: a service that exits is restarted in place with backoff (specdec/supervisor.py);
+        # the loop ends on SIGINT/SIGTERM, so nothing is restarted once we are stopping
+        from specdec.supervisor import Supervisor
+
+        supervisor = Supervisor(stack, healthy, log=lambda line: print(line, flush=True))
         while not stop["flag"]:
-            for s, p in stack.procs.items():
-                if p.poll() is not None and s != "draft":
-                    print(f"{s} service exited ({p.returncode}); stopping", file=sys.stderr)
-                    return 1
+            supervisor.tick()
             time.sleep(0.5)
         return 0
     finally:
@@ -85,7 +93,8 @@ def cmd_up(a) -> int:
 def cmd_generate(a) -> int:
     import grpc
 
-    from specdec.client import Client, ResultCollector
+    from specdec.client import ResultCollector
+    from specdec.errors import SpecdecError
 
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
               stop=a.stop or (), ignore_eos=a.ignore_eos, k=a.k or 0, mode=a.mode,
@@ -97,15 +106,14 @@ def cmd_generate(a) -> int:
         prompt = a.prompt
     col = ResultCollector()
     try:
-        with Client(a.address, timeout=a.timeout) as c:
+        with connect(a) as c:
             for chunk in c.generate(prompt, **kw):
                 col.add(chunk)
                 if not a.json:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {name_flag(e.details() or '', a.flags)}", file=sys.stderr)
-        return 2
+    except (grpc.RpcError, SpecdecError) as e:
+        return report_error(e, a.flags)
     res = col.result()
     if a.json:
         print(json.dumps(res.to_json() if a.rounds else {k: v for k, v in res.to_json().items() if k != "rounds"}))
@@ -126,12 +134,48 @@ def name_flag(message: str, flags: dict[str, str]) -> str:
     return message
 
 
+def report_error(e: Exception, flags: dict[str, str]) -> int:
+    """Print a failed call's status and message (a grpc.RpcError, or a SpecdecError such as an
+    unreadable --ca-file raised before any call) to stderr; -> the exit status, 2."""
+    from specdec.errors import SpecdecError
+
+    code, message = (e.status, e.message) if isinstance(e, SpecdecError) else (e.code().name, e.details() or "")
+    print(f"error: {code}: {name_flag(message, flags)}", file=sys.stderr)
+    return 2
+
+
 def cmd_info(a) -> int:
+    import grpc
+
+    from specdec.errors import SpecdecError
+
+    try:
+        with connect(a) as c:
+            print(json.dumps(c.info(), indent=2))
+    except (grpc.RpcError, SpecdecError) as e:
+        return report_error(e, a.flags)
+    return 0
+
+
+def connect(a):
+    """The SDK client `generate` and `info` use, from their connection flags."""
     from specdec.client import Client
 
-    with Client(a.address, timeout=a.timeout) as c:
-        print(json.dumps(c.info(), indent=2))
-    return 0
+    return Client(a.address, timeout=a.timeout, ca_file=a.ca_file, tls=a.tls, cert_file=a.cert_file,
+                  key_file=a.key_file, token=a.token)
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """--address and how to reach it: TLS (--ca-file or --tls; --cert-file and --key-file when the
+    server requires a client certificate) and the bearer token (--token, default $SPECDEC_TOKEN)."""
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--ca-file", help="TLS: the CA certificate (PEM) that signed the server's certificate")
+    p.add_argument("--tls", action="store_true", help="TLS, trusting the system's root certificates")
+    p.add_argument("--cert-file", help="mTLS: this client's certificate chain (PEM)")
+    p.add_argument("--key-file", help="mTLS: this client's private key (PEM)")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                   help=f"bearer token sent as 'authorization: Bearer <token>' (default: ${TOKEN_ENV}, "
+                        "which keeps it out of the process list)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate from a prompt (sent as one user chat message)")
     g.add_argument("prompt")
-    g.add_argument("--address", default="127.0.0.1:50051")
+    add_connection_args(g)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-k", type=int)
@@ -174,9 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate, flags={x.dest: x.option_strings[-1] for x in g._actions if x.option_strings})
 
     i = sub.add_parser("info", help="show the served models and defaults")
-    i.add_argument("--address", default="127.0.0.1:50051")
+    add_connection_args(i)
     i.add_argument("--timeout", type=float, default=30)
-    i.set_defaults(fn=cmd_info)
+    i.set_defaults(fn=cmd_info, flags={x.dest: x.option_strings[-1] for x in i._actions if x.option_strings})
 
     for ep in entry_points(group=COMMAND_PLUGINS):  # the lab's bench, study and tune
         ep.load()(sub)

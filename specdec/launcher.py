@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.config import SpecdecConfig
+from specdec.security import open_channel
 
 SERVICES = ("target", "draft", "orchestrator")
 MODULES = {"target": "target_service", "draft": "draft_service", "orchestrator": "orchestrator"}
@@ -34,9 +35,10 @@ def free_port() -> int:
             return port
 
 
-def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+def is_serving(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """Whether the health service at `address` answers SERVING (over TLS with `credentials`)."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with open_channel(address, credentials, aio=False) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
             return r.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -65,10 +67,10 @@ class Stack:
         return f"{c.host}:{c.port}"
 
     def start_service(self, service: str) -> subprocess.Popen:
-        log = open(self.dir / f"{service}.log", "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        p = subprocess.Popen([sys.executable, "-m", MODULES[service], "--config", str(self.config_path)],
-                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with open(self.dir / f"{service}.log", "ab") as log:  # the child keeps its own copy (restarts leak none)
+            p = subprocess.Popen([sys.executable, "-m", MODULES[service], "--config", str(self.config_path)],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[service] = p
         return p
 
@@ -78,7 +80,9 @@ class Stack:
                 self.start_service(s)
         return self
 
-    def wait_ready(self, timeout_s: float = 300.0, services=None) -> None:
+    def wait_ready(self, timeout_s: float = 300.0, services=None,
+                   credentials: grpc.ChannelCredentials | None = None) -> None:
+        """Wait until `services` (all started ones) are healthy; `credentials` for TLS ports."""
         deadline = time.monotonic() + timeout_s
         pending = list(services or self.procs)
         while pending:
@@ -86,7 +90,7 @@ class Stack:
                 p = self.procs[s]
                 if p.poll() is not None:
                     raise RuntimeError(f"{s} service exited with {p.returncode}; log:\n{self.log(s)[-3000:]}")
-                if is_serving(self.address(s)):
+                if is_serving(self.address(s), credentials=credentials):
                     pending.remove(s)
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"services not ready after {timeout_s}s: {pending}")
