@@ -84,7 +84,10 @@ class _Stream:
             return Internal(f"the {peer} refused what we sent {during}: {details}")  # our fault, not the user's
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             return FailedPrecondition(f"the {peer} refused {during}: {details}")
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+        # grpc core itself answers INTERNAL ("Internal error from Core") now and then for a write on
+        # a stream whose peer was just killed (grpc/grpc#36066): the peer is gone, not at fault
+        core_lost_peer = code == grpc.StatusCode.INTERNAL and details.startswith("Internal error from Core")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN) or core_lost_peer:
             return Unavailable(f"the {peer} is unavailable {during} ({code.name}: {details})")
         return Internal(f"the {peer} failed {during} ({code.name}: {details})")
 
@@ -114,22 +117,48 @@ AT_OPEN = "at session open"
 IN_ROUND = "during a round"
 
 
-class GrpcTargetSession:
+class _ReplicaSession:
+    """A session on one replica: one stream, counted in the replica's load while open. A failed
+    call for which `replica_failed(error)` says so reports the replica (`on_failure`)."""
+
+    kind = ""
+
     def __init__(self, replica: "Replica", sid: str, timeout_s: float, deadline: float | None,
-                 on_unavailable: Callable[["Replica", BaseException], None] = lambda r, e: None):
+                 on_failure: Callable[["Replica", BaseException], None] = lambda r, e: None):
         self.sid = sid
         self.replica = replica
-        self.stream = _Stream(replica.stub.Session, timeout_s, "target", deadline, replica.address)
-        self.on_unavailable = on_unavailable
+        self.stream = _Stream(replica.stub.Session, timeout_s, self.kind, deadline, replica.address)
+        self.on_failure = on_failure
         replica.sessions += 1
         self._closed = False
+
+    @staticmethod
+    def replica_failed(error: Exception) -> bool:
+        raise NotImplementedError
 
     async def _ask(self, request, during: str):
         try:
             return await self.stream.ask(request, during)
-        except Unavailable as e:
-            self.on_unavailable(self.replica, e)
+        except Exception as e:
+            if self.replica_failed(e):
+                self.on_failure(self.replica, e)
             raise
+
+    async def close(self):
+        if not self._closed:
+            self._closed = True
+            self.replica.sessions -= 1
+        await self.stream.close()
+
+
+class GrpcTargetSession(_ReplicaSession):
+    """A target session on one target replica; a replica found unavailable is reported."""
+
+    kind = "target"
+
+    @staticmethod
+    def replica_failed(error: Exception) -> bool:
+        return isinstance(error, Unavailable)
 
     async def open(self, prompt_ids, sampling, seed, max_tokens, max_draft) -> TargetOpenResult:
         r = await self._ask(target_pb2.TargetRequest(open=target_pb2.TargetOpen(
@@ -150,35 +179,20 @@ class GrpcTargetSession:
         metrics.RPC_LATENCY.labels("target").observe(max(0.0, rtt - v.verify_ms) / 1e3)
         return VerifyResult(v.num_accepted, v.next_token, v.verify_ms, rtt, req.ByteSize())
 
-    async def close(self):
-        if not self._closed:
-            self._closed = True
-            self.replica.sessions -= 1
-        await self.stream.close()
 
-
-class GrpcDraftSession:
+class GrpcDraftSession(_ReplicaSession):
     """A draft session on one draft replica. A failure that says something about the replica's
-    health (not a full draft, not the request's own deadline) ejects the replica."""
+    health (not a full draft, not the request's own deadline) reports the replica."""
 
-    def __init__(self, replica: "Replica", sid: str, timeout_s: float, deadline: float | None,
-                 on_failure: Callable[["Replica", BaseException], None] = lambda r, e: None, max_support: int = 0):
-        self.sid = sid
-        self.replica = replica
+    kind = "draft"
+
+    def __init__(self, *args, max_support: int = 0, **kw):
+        super().__init__(*args, **kw)
         self.max_support = max_support
-        self.stream = _Stream(replica.stub.Session, timeout_s, "draft", deadline, replica.address)
-        self.on_failure = on_failure
-        replica.sessions += 1
-        self._closed = False
 
-    async def _ask(self, request, during: str):
-        try:
-            return await self.stream.ask(request, during)
-        except (ResourceExhausted, DeadlineExceeded):
-            raise
-        except Exception as e:
-            self.on_failure(self.replica, e)
-            raise
+    @staticmethod
+    def replica_failed(error: Exception) -> bool:
+        return not isinstance(error, (ResourceExhausted, DeadlineExceeded))
 
     async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_tokens, max_draft) -> float:
         r = await self._ask(draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
@@ -195,12 +209,6 @@ class GrpcDraftSession:
         p = r.proposal
         metrics.RPC_LATENCY.labels("draft").observe(max(0.0, rtt - p.draft_ms) / 1e3)
         return DraftResult(list(p.token_ids), [(list(d.token_ids), list(d.probs)) for d in p.dists], p.draft_ms)
-
-    async def close(self):
-        if not self._closed:
-            self._closed = True
-            self.replica.sessions -= 1
-        await self.stream.close()
 
 
 def draft_mismatch(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo | None) -> str:
@@ -519,7 +527,9 @@ class GrpcBackends:
     def new_draft_session(self, sid: str, deadline: float | None) -> GrpcDraftSession | None:
         """A session on the least loaded draft replica that is up; None when none is."""
         replica = self.drafts.pick(worst="up")
-        return None if replica is None else GrpcDraftSession(replica, sid, self.timeout_s, deadline, self._draft_replica_failed)
+        if replica is None:
+            return None
+        return GrpcDraftSession(replica, sid, self.timeout_s, deadline, self._draft_replica_failed)
 
     def draft_failed(self, error: BaseException) -> None:
         """A draft call failed and the request goes on target-only. The session already ejected

@@ -80,6 +80,19 @@ def with_metrics(cfg):
     return cfg
 
 
+def wait_until_zero(read, within_s: float) -> dict[str, float]:
+    """Poll `read()` (gauges by name) until every one reads 0, or `within_s` has passed; returns
+    the last reading (the caller asserts)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        g = read()
+        if not any(g.values()) or time.monotonic() > deadline:
+            return g
+        time.sleep(0.05)
+
+
 @contextmanager
 def running(cfg, log_dir, ready_s: float = 300):
     """All services of `cfg` started and healthy; stopped on exit."""

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import Client
 from specdec.lab.live import scrape_metrics
-from conftest import running, tiny_config, with_metrics
+from conftest import running, tiny_config, wait_until_zero, with_metrics
 from specdec.launcher import Stack
 from specdec.modes import LABELS
 
@@ -41,13 +41,7 @@ def gauges(stack: Stack) -> dict[str, float]:
 
 
 def wait_all_zero(stack: Stack, within_s: float) -> dict[str, float]:
-    """Poll until every gauge reads 0; returns the last reading (the caller asserts)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        g = gauges(stack)
-        if not any(g.values()) or time.monotonic() > deadline:
-            return g
-        time.sleep(0.05)
+    return wait_until_zero(lambda: gauges(stack), within_s)
 
 
 def held(stack: Stack) -> dict[str, int]:

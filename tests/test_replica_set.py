@@ -5,7 +5,6 @@ import asyncio
 import socket
 import time
 
-import pytest
 
 from orchestrator.clients import ReplicaSet, resolve_addresses
 

@@ -1,4 +1,4 @@
-"""Two target replicas behind one orchestrator, as real processes on loopback (tiny models).
+"""Two target and two draft replicas behind one orchestrator, as real processes on loopback (tiny models).
 
 A target that dies mid-request does not take the request with it: the orchestrator reopens the
 session on the other replica with every committed token and carries on, and greedy output is
@@ -18,7 +18,7 @@ import pytest
 
 from specdec import Client
 from specdec.lab.live import scrape_metrics
-from conftest import tiny_config, with_metrics
+from conftest import tiny_config, wait_until_zero, with_metrics
 from specdec.launcher import MODULES, Stack, free_port
 from specdec.modes import LABELS
 
@@ -28,42 +28,48 @@ PROMPT = list(range(100, 140))
 
 
 class TwoTargets(Stack):
-    """The usual three services plus a second target replica ("target2") on its own ports; the
-    orchestrator is given both target addresses."""
+    """The usual three services plus a second target replica ("target2") and a second draft
+    replica ("draft2") on their own ports; the orchestrator is given both addresses of each."""
+
+    EXTRA = {"target2": "target", "draft2": "draft"}
 
     def __init__(self, cfg, log_dir):
         super().__init__(cfg, log_dir)
-        self.port2, self.metrics_port2 = free_port(), free_port()
+        self.ports = {s: (free_port(), free_port()) for s in self.EXTRA}  # gRPC, metrics
         cfg.orchestrator.target_address = f"{self.address('target')},{self.address('target2')}"
+        cfg.orchestrator.draft_address = f"{self.address('draft')},{self.address('draft2')}"
         self.config_path.write_text(cfg.to_toml())
 
     def address(self, service: str) -> str:
-        if service == "target2":
-            return f"{self.cfg.target.host}:{self.port2}"
+        if service in self.EXTRA:
+            return f"{self.cfg.target.host}:{self.ports[service][0]}"
         return super().address(service)
 
     def start_service(self, service: str) -> subprocess.Popen:
-        if service != "target2":
+        if service not in self.EXTRA:
             return super().start_service(service)
-        log = open(self.dir / "target2.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", MODULES["target"], "--config", str(self.config_path),
-                              "--port", str(self.port2), "--metrics-port", str(self.metrics_port2)],
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs["target2"] = p
+        port, metrics_port = self.ports[service]
+        with open(self.dir / f"{service}.log", "ab") as log:
+            p = subprocess.Popen([sys.executable, "-m", MODULES[self.EXTRA[service]], "--config",
+                                  str(self.config_path), "--port", str(port), "--metrics-port", str(metrics_port)],
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[service] = p
         return p
 
     def start(self) -> "TwoTargets":
         super().start()
-        self.start_service("target2")
+        for s in self.EXTRA:
+            self.start_service(s)
         return self
 
     def stop(self) -> None:
         super().stop()
-        self.stop_service("target2")
+        for s in self.EXTRA:
+            self.stop_service(s)
 
     def metrics_of(self, service: str) -> dict[str, float]:
         c = self.cfg
-        port = self.metrics_port2 if service == "target2" else getattr(c, service).metrics_port
+        port = self.ports[service][1] if service in self.EXTRA else getattr(c, service).metrics_port
         return scrape_metrics(c.target.host, port)
 
 
@@ -78,13 +84,14 @@ def replicas(tiny_models, tmp_path_factory):
         yield stack
 
 
-def serving_target(stack: TwoTargets) -> str:
-    """The target replica ("target" or "target2") holding this orchestrator's sessions."""
+def serving(stack: TwoTargets, kind: str = "target") -> str:
+    """The replica of `kind` ("target"/"target2" or "draft"/"draft2") holding this orchestrator's
+    one session of that kind."""
     with Client(stack.address("orchestrator")) as c:
-        reps = {r["address"]: r for r in c.info()["replicas"] if r["kind"] == "target"}
+        reps = {r["address"]: r for r in c.info()["replicas"] if r["kind"] == kind}
     busy = [a for a, r in reps.items() if r.get("sessions", 0) > 0]
     assert len(busy) == 1, reps
-    return "target" if busy[0] == stack.address("target") else "target2"
+    return kind if busy[0] == stack.address(kind) else f"{kind}2"
 
 
 def restart(stack: TwoTargets, service: str, sig: int) -> None:
@@ -95,21 +102,16 @@ def restart(stack: TwoTargets, service: str, sig: int) -> None:
 
 def occupancy(stack: TwoTargets) -> dict[str, float]:
     out = {"requests_running": stack.metrics_of("orchestrator")["specdec:num_requests_running"]}
-    for s in ("target", "target2", "draft"):
+    for s in ("target", "target2", "draft", "draft2"):
         m = stack.metrics_of(s)
-        kind = "draft" if s == "draft" else "target"
+        kind = s.rstrip("2")
         for name in ("sessions", "kv_cache_tokens", "kv_blocks_used", "kv_blocks_reserved"):
             out[f"{s}_{name}"] = m[f'specdec:{name}{{service="{kind}"}}']
     return out
 
 
 def wait_all_zero(stack: TwoTargets, within_s: float) -> dict[str, float]:
-    deadline = time.monotonic() + within_s
-    while True:
-        g = occupancy(stack)
-        if not any(g.values()) or time.monotonic() > deadline:
-            return g
-        time.sleep(0.05)
+    return wait_until_zero(lambda: occupancy(stack), within_s)
 
 
 @pytest.mark.parametrize("mode", LABELS)
@@ -121,7 +123,7 @@ def test_a_target_killed_mid_request_moves_it_to_the_other_replica_and_changes_n
         for i, chunk in enumerate(c.generate(token_ids=PROMPT, max_tokens=300, ignore_eos=True, mode=mode, k=4)):
             tokens += chunk.token_ids
             if i == 3:
-                victim = serving_target(stack)
+                victim = serving(stack)
                 stack.stop_service(victim, signal.SIGKILL)
             if chunk.HasField("summary"):
                 summary = chunk.summary
@@ -177,6 +179,33 @@ def test_a_rolling_restart_under_load_fails_no_request(replicas):
     assert not any(g.values()), g
 
 
+@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+def test_a_draft_killed_mid_request_is_replaced_by_the_other_draft_replica(replicas, mode):
+    """The request goes on target-only for a moment, then drafts again from the other draft
+    replica (it re-attaches within a probe interval); output unchanged."""
+    stack = replicas
+    stack.wait_ready(120)
+    with Client(stack.address("orchestrator"), timeout=120) as c:
+        reference = c.complete(token_ids=PROMPT, max_tokens=400, ignore_eos=True, mode="target-only").token_ids
+        tokens, rounds, killed_at = [], [], None
+        for i, chunk in enumerate(c.generate(token_ids=PROMPT, max_tokens=400, ignore_eos=True, mode=mode, k=4)):
+            tokens += chunk.token_ids
+            if chunk.HasField("round"):
+                rounds.append(chunk.round)
+            if i == 5:
+                victim = serving(stack, "draft")
+                stack.stop_service(victim, signal.SIGKILL)
+                killed_at = len(rounds)
+    assert tokens == reference
+    after = rounds[killed_at:]
+    assert any(not r.draft_available for r in after), "the kill went unnoticed: the test tested nothing"
+    assert after[-1].draft_available and after[-1].k > 0, "no draft replica took over"
+    stack.start_service(victim)
+    stack.wait_ready(120, [victim])
+    g = wait_all_zero(stack, 2.0)
+    assert not any(g.values()), g
+
+
 @pytest.mark.parametrize("how", ["cancel", "deadline-in-prefill", "deadline-mid-request"])
 def test_cancels_and_deadlines_free_every_service_within_1s(replicas, how):
     stack = replicas
@@ -203,7 +232,7 @@ def test_cancels_and_deadlines_free_every_service_within_1s(replicas, how):
 
 
 def _rss(stack: TwoTargets, service: str) -> float:
-    kind = "target" if service.startswith("target") else service
+    kind = service.rstrip("2")
     return stack.metrics_of(service)[f'specdec:memory_rss_bytes{{service="{kind}"}}']
 
 
@@ -257,13 +286,13 @@ def _mixed_requests(stack: TwoTargets, n: int, offset: int) -> dict[str, int]:
 
 
 def test_memory_is_flat_over_500_requests_with_cancels_deadlines_and_faults(replicas):
-    """RSS of the orchestrator, the draft and the target replica that stays up, after 50 and after
+    """RSS of the orchestrator, the drafts and the target replica that stays up, after 50 and after
     500 mixed requests, with the other target replica killed and restarted in between (its
     requests move over): within 5%."""
     stack = replicas
     stack.wait_ready(120)
     first = _mixed_requests(stack, 50, 0)
-    before = {s: _rss(stack, s) for s in ("orchestrator", "draft", "target")}
+    before = {s: _rss(stack, s) for s in ("orchestrator", "draft", "draft2", "target")}
     stack.stop_service("target2", signal.SIGKILL)
     rest = _mixed_requests(stack, 225, 50)
     stack.start_service("target2")

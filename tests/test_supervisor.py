@@ -207,12 +207,7 @@ class Output:
 
 
 def _complete(port: int, within_s: float = 60.0, **kw):
-    """A request, retried while the orchestrator answers UNAVAILABLE (its target is down).
-
-    Also retried: INTERNAL 'the target service failed at session open (INTERNAL: Internal error
-    from Core)', which grpc.aio raises now and then (grpc/grpc#36066) when the orchestrator
-    writes on a stream to the target just SIGKILLed; the orchestrator passes it on as INTERNAL
-    rather than UNAVAILABLE (its client edge's business, not the supervisor's)."""
+    """A request, retried while the orchestrator answers UNAVAILABLE (its target is down)."""
     from specdec import Client
 
     deadline = time.monotonic() + within_s
@@ -221,9 +216,7 @@ def _complete(port: int, within_s: float = 60.0, **kw):
             with Client(f"127.0.0.1:{port}", timeout=30) as c:
                 return c.complete("hello", max_tokens=6, ignore_eos=True, **kw)
         except grpc.RpcError as e:
-            transient = e.code() == grpc.StatusCode.UNAVAILABLE or (
-                e.code() == grpc.StatusCode.INTERNAL and "Internal error from Core" in (e.details() or ""))
-            if not transient or time.monotonic() > deadline:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
 
