@@ -161,6 +161,51 @@ def test_target_killed_mid_request_gives_unavailable_within_5s(fragile_stack, mo
     assert not any(g.values()), g
 
 
+@pytest.fixture(scope="module")
+def lone_target_stack(tiny_models, tmp_path_factory):
+    """Tiny models, one target replica with room for 4 long requests; killed by the test."""
+    cfg = with_metrics(tiny_config(tiny_models))
+    cfg.orchestrator.rpc_timeout_s = 60
+    with running(cfg, tmp_path_factory.mktemp("lone-target")) as stack:
+        yield stack
+
+
+def test_with_one_target_every_in_flight_request_ends_unavailable_within_5s(lone_target_stack):
+    """4 clients mid-request (one per mode, and a second pipelined one) when the only target is
+    SIGKILLed: each ends with UNAVAILABLE within 5 s of the kill."""
+    stack = lone_target_stack
+    started = threading.Barrier(5)
+    ended: list[tuple[str, float, str]] = []
+
+    def client(mode: str) -> None:
+        with Client(stack.address("orchestrator"), timeout=75) as c:
+            stream = c.generate(token_ids=list(range(100, 120)), max_tokens=900, ignore_eos=True, mode=mode, k=4)
+            try:
+                for i, _ in enumerate(stream):
+                    if i == 2:
+                        started.wait(30)
+                ended.append((mode, time.monotonic(), "OK"))
+            except grpc.RpcError as e:
+                ended.append((mode, time.monotonic(), e.code().name))
+
+    threads = [threading.Thread(target=client, args=(m,)) for m in [*MODES, "pipelined"]]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    stack.stop_service("target", signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(60)
+    try:
+        assert [code for _, _, code in ended] == ["UNAVAILABLE"] * 4, ended
+        assert max(t for _, t, _ in ended) - killed < 5.0, ended
+    finally:
+        stack.start_service("target")
+        stack.wait_ready(120, ["target"])
+    g = wait_all_zero(stack, 2.0)
+    assert not any(g.values()), g
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_full_kv_pool_gives_resource_exhausted_within_5s(fragile_stack, mode):
     """Rounds can no longer be refused for KV (a session's worst case is reserved at admission):

@@ -135,11 +135,14 @@ def test_a_target_killed_mid_request_moves_it_to_the_other_replica_and_changes_n
     assert not any(g.values()), g
 
 
-def test_a_rolling_restart_under_load_fails_no_request(replicas):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["rolling-restart", "kill"])
+def test_a_target_replica_restarted_or_killed_under_4_clients_fails_no_request(replicas, sig):
     """4 clients send greedy requests without pause while each target replica in turn is sent
-    SIGTERM (it drains for 1 s, then exits: longer requests are cut and move to the other
-    replica) and restarted. No request fails, every output equals its target-only reference."""
+    SIGTERM (a rolling restart: it drains for 1 s, then exits; longer requests are cut and move
+    to the other replica), or SIGKILL (its requests move at once), and is restarted. No request
+    fails, every output equals its target-only reference."""
     stack = replicas
+    stack.wait_ready(120)
     with Client(stack.address("orchestrator"), timeout=120) as c:
         prompts = [[100 + 7 * i + j for j in range(20 + 5 * i)] for i in range(4)]
         refs = [c.complete(token_ids=p, max_tokens=120, ignore_eos=True, mode="target-only").token_ids
@@ -162,7 +165,7 @@ def test_a_rolling_restart_under_load_fails_no_request(replicas):
     try:
         time.sleep(2.0)
         for service in ("target", "target2"):
-            restart(stack, service, signal.SIGTERM)
+            restart(stack, service, sig)
             time.sleep(2.0)
     finally:
         stop.set()
