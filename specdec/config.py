@@ -55,6 +55,15 @@ class ModelServiceConfig(ServiceConfig):
     max_prefill_tokens: int = 128  # prompt tokens per step (longer prompts are prefilled in chunks)
     admission_wait_s: float = 10.0  # how long a new session waits for room in a full pool
     admission_queue: int = 64  # sessions that may wait at once; beyond, RESOURCE_EXHAUSTED at once
+    # torch engine on a GPU: small steps (decodes, verifies) replayed as CUDA graphs, padded up to
+    # these batch sizes and tokens per sequence; larger steps run eagerly
+    cuda_graphs: bool = True
+    cuda_graph_batches: str = "1,2,4,8,16"
+    cuda_graph_tokens: str = "1,2,4,8,12,16"
+    # on a GPU with gpu_memory_fraction set, kv_pool_tokens = 0 sizes the pool from the memory left
+    # in this process's share after the weights, keeping this fraction of the share for activations
+    # and graphs
+    gpu_activation_reserve: float = 0.1
 
 
 @dataclass

@@ -58,6 +58,33 @@ def configure_process(device: str, cpu_cores: str | None, num_threads: int, gpu_
     return applied
 
 
+def kv_pool_tokens_for_memory(share_bytes: int, weight_bytes: int, kv_bytes_per_token: int,
+                              activation_reserve: float, block_size: int) -> int:
+    """KV pool tokens (whole blocks) that fit in a process's share of GPU memory: the share, less
+    `activation_reserve` of it (activations, CUDA graphs' buffers, allocator slack), less the
+    weights. Raises ValueError when not one block fits (the share is too small for the model)."""
+    if share_bytes <= 0:
+        raise ValueError("kv_pool_tokens = 0 sizes the pool from gpu_memory_fraction, which is not set")
+    if not 0 <= activation_reserve < 1:
+        raise ValueError(f"gpu_activation_reserve must be in [0, 1), got {activation_reserve}")
+    free = int(share_bytes * (1 - activation_reserve)) - weight_bytes
+    blocks = free // (kv_bytes_per_token * block_size)
+    if blocks < 1:
+        raise ValueError(f"this process's share of GPU memory ({share_bytes / 2**30:.2f} GiB, less "
+                         f"{activation_reserve:.0%} reserved) does not hold the weights ({weight_bytes / 2**30:.2f} "
+                         f"GiB) and one KV block: raise gpu_memory_fraction")
+    return int(blocks) * block_size
+
+
+def gpu_share_bytes(device: str, gpu_memory_fraction: float) -> int:
+    """This process's share of its GPU's memory (0 off a GPU or without a fraction)."""
+    if not device.startswith("cuda") or gpu_memory_fraction <= 0:
+        return 0
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * gpu_memory_fraction)
+
+
 def process_memory_bytes(device: str = "cpu") -> dict:
     """RSS (and its peak) on CPU; allocator current/peak on a GPU."""
     out = {}

@@ -8,6 +8,7 @@ import torch
 
 from specdec import hf_compat
 from specdec.serving.batch import SeqChunk
+from specdec.serving.graphs import GraphConfig, eager_capture
 from specdec.serving.int4 import GROUP, Int4Weight
 from specdec.serving.paged_llama import PagedLlamaRunner, supports
 
@@ -94,7 +95,8 @@ def test_facts_and_pool(model):
     assert f.engine == "torch" and f.fingerprint == f"vocab-{VOCAB}" and f.vocab_size == VOCAB
     assert f.max_context == 40  # min(max_position_embeddings 256, pool 10 * 4)
     assert f.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K+V, layers, kv heads, D, fp32
-    assert r.pool.k.shape == (2, 40, 2, 16) and r.pool.k.dtype == torch.float32
+    assert r.pool.k.shape == (2, 44, 2, 16) and r.pool.k.dtype == torch.float32  # + the scratch block
+    assert r.scratch_slot == 40
     assert not r.pool.k.any() and not r.pool.v.any()
     params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     # the extracted weights: the model's, plus Qwen3's q/k norms repeated per head (a few hundred bytes)
@@ -127,10 +129,16 @@ def test_sliding_window_matters():
         torch.testing.assert_close(got, reference(full, tokens), atol=ATOL, rtol=0)
 
 
-def test_mixed_batches_with_rollback(model):
-    """Chunked prefills, k+1 verifies, single-token decodes and rollbacks, all in shared steps."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_mixed_batches_with_rollback(model, graphs):
+    """Chunked prefills, k+1 verifies, single-token decodes and rollbacks, all in shared steps.
+    With graphs (replayed eagerly here: graphs.eager_capture), steps of up to 4 sequences x 8
+    tokens are padded to buckets; steps of 5 sequences run eagerly; both match transformers."""
     rng = random.Random(7)
     r = PagedLlamaRunner.from_hf_model(model, num_blocks=80, block_size=4, max_seqs=8)
+    if graphs:
+        r.enable_graphs(GraphConfig(batches=(1, 2, 4), tokens=(1, 2, 4, 8), min_blocks=2), eager_capture)
+    steps = 0
     truth: dict[int, list[int]] = {}  # what each sequence's cache holds
     pending: dict[int, list[int]] = {}  # prompt tokens not fed yet
     checked = 0
@@ -162,6 +170,7 @@ def test_mixed_batches_with_rollback(model):
         if not chunks:
             continue
         outs = r.forward(chunks)
+        steps += 1
         for (seq, num_logits), got in zip(expect, outs):
             assert got.shape == (num_logits, VOCAB)
             if num_logits:
@@ -176,6 +185,9 @@ def test_mixed_batches_with_rollback(model):
                 assert r.blocks.length(c.seq) == keep
                 assert len(r.blocks.table(c.seq)) == r.blocks.blocks_for(keep)
     assert checked > 30
+    if graphs:  # both paths ran: buckets of several shapes, and steps that fit none
+        assert r.graphs.captured >= 3 and r.graphs.replays > r.graphs.captured
+        assert r.graphs.replays < steps
     for seq in list(truth):
         r.free(seq)
     stats = r.blocks.stats()

@@ -14,7 +14,9 @@ Layout:
 
 A step is `prepare(chunks) -> StepInputs` (Python: validation, block growth, index tensors)
 followed by `run_step(weights, pool, inputs)`, a pure tensor function (no Python branching
-on data), so a GPU path can pad StepInputs to (batch, tokens) buckets and capture it.
+on data). With CUDA graphs (`enable_graphs`, specdec.serving.graphs), small steps are padded
+to (batch, tokens, blocks) buckets and replayed from captured graphs; the pool's last block
+is the scratch space padded rows write to (no sequence ever owns it).
 
 Attention: all chunks' tokens go through the matmuls as one flat [T, hidden] batch. For
 attention, queries are scattered into [B, maxq] (padded), each sequence's K/V are gathered
@@ -43,8 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from specdec import hf_compat, models
+from specdec.devices import kv_pool_tokens_for_memory
 from specdec.serving.batch import ModelFacts, SeqChunk
 from specdec.serving.blocks import BlockManager
+from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -431,14 +435,26 @@ class PagedLlamaRunner:
         self.blocks = blocks
         self.facts = facts
         self.device = device
+        self.graphs: StepGraphs | None = None
+        # the pool's last block, which the block manager never hands out: padded graph rows write here
+        self.scratch_slot = blocks.num_blocks * pool.block_size
+        self.max_blocks = -(-arch.max_context // pool.block_size)  # the widest block table
+
+    def enable_graphs(self, cfg: GraphConfig, capture: Capture) -> None:
+        """Run steps that fit a bucket of `cfg` as captured graphs (`capture`: graphs.cuda_capture
+        on a GPU; graphs.eager_capture replays eagerly, for tests)."""
+        self.graphs = StepGraphs(cfg, capture, self.device)
 
     supports = staticmethod(supports)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
     def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
-             block_size: int = 16, max_seqs: int = 64) -> "PagedLlamaRunner":
-        """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up).
+             block_size: int = 16, max_seqs: int = 64, memory_share_bytes: int = 0,
+             activation_reserve: float = 0.1) -> "PagedLlamaRunner":
+        """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up),
+        or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
+        `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
         dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring)."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
@@ -447,6 +463,12 @@ class PagedLlamaRunner:
         src = models.resolve(spec)
         model = models.load_model(src, "float32" if dtype == INT4 else dtype, device)
         tok = models.load_tokenizer(src)
+        if pool_tokens <= 0:
+            arch = _arch_of(model, 1)
+            kv_bytes_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * model.dtype.itemsize
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            pool_tokens = kv_pool_tokens_for_memory(memory_share_bytes, weight_bytes, kv_bytes_per_token,
+                                                    activation_reserve, block_size)
         num_blocks = max(1, -(-pool_tokens // block_size))
         return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
                           num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4)
@@ -478,7 +500,7 @@ class PagedLlamaRunner:
                 if dtype != torch.float32:
                     raise ValueError(f"int4 quantizes a float32 model, got {dtype}")
                 weights, dtype = quantize_int4(weights), torch.bfloat16
-            pool = KVPool.allocate(arch, num_blocks, block_size, dtype, device)
+            pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block
         dtype_name = INT4 if int4 else {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
         facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,
                            max_context=max_context, eos_token_ids=list(eos), dtype=dtype_name, device=str(device),
@@ -583,6 +605,9 @@ class PagedLlamaRunner:
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
         """Append every chunk in one forward; per chunk, float32 CPU logits [num_logits, V]."""
+        bucket = self._bucket(chunks)
+        if bucket is not None:
+            return self._forward_graph(chunks, bucket)
         inputs = self.prepare(chunks)
         try:
             logits = run_step(self.weights, self.pool, inputs, self.arch)  # [R, V]
@@ -591,6 +616,42 @@ class PagedLlamaRunner:
             raise
         logits = logits.float().cpu()  # [R, V]
         return list(logits.split(list(inputs.logit_counts)))  # per chunk [num_logits, V]
+
+    # -- a step as a graph --------------------------------------------------------------
+    def _bucket(self, chunks: Sequence[SeqChunk]):
+        """The graph bucket this step runs in; None = eagerly (no graphs, or no bucket fits)."""
+        if self.graphs is None or not chunks:
+            return None
+        tokens = max(len(c.tokens) for c in chunks)
+        blocks = max(-(-(c.start + len(c.tokens)) // self.pool.block_size) for c in chunks)
+        bucket = pick_bucket(self.graphs.cfg, self.max_blocks, len(chunks), tokens, blocks)
+        return bucket if bucket is not None and self.graphs.has_room(bucket) else None
+
+    def _forward_graph(self, chunks: Sequence[SeqChunk], bucket) -> list[torch.Tensor]:
+        self._validate(chunks)
+        self._grow(chunks)
+        try:
+            rows = pad_rows(bucket, [(c.tokens, c.start, self.blocks.slots(c.seq, c.start, len(c.tokens)),
+                                      self.blocks.table(c.seq), c.num_logits) for c in chunks], self.scratch_slot)
+            logits = self.graphs.run(bucket, rows, self._graph_step)  # [R, V]
+        except BaseException:
+            self.rollback(chunks)
+            raise
+        logits = logits.float().cpu()  # [R, V]
+        return list(logits.split([c.num_logits for c in chunks]))  # per chunk [num_logits, V]
+
+    def _graph_step(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step over a bucket's static buffers (captured as is): logits for every row."""
+        batch, blocks = buffers["block_tables"].shape
+        rows = buffers["token_ids"].shape[0]
+        every_row = torch.arange(rows, device=self.device)  # [batch*tokens]
+        inputs = StepInputs(
+            token_ids=buffers["token_ids"], positions=buffers["positions"], slots=buffers["slots"],
+            query_index=every_row.view(batch, rows // batch),  # [batch, tokens]
+            query_positions=buffers["positions"].view(batch, rows // batch),  # [batch, tokens]
+            unpad_index=every_row, block_tables=buffers["block_tables"], logit_rows=every_row,
+            logit_counts=(rows,))
+        return run_step(self.weights, self.pool, inputs, self.arch)  # [batch*tokens, V]
 
     def truncate(self, seq: int, length: int) -> None:
         """Drop positions >= length; whole tail blocks go back to the pool (stale slots get overwritten)."""

@@ -19,6 +19,7 @@ import torch
 
 from specdec import models
 from specdec.config import ModelServiceConfig
+from specdec.devices import gpu_share_bytes
 from specdec.errors import InvalidArgument
 from specdec.serving.batch import BatchRunner
 
@@ -49,6 +50,7 @@ def _return_freed_heap() -> None:
 def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
     from transformers import AutoConfig
 
+    from specdec.serving.graphs import GraphConfig, cuda_capture, parse_sizes
     from specdec.serving.hf_runner import HFRunner
     from specdec.serving.paged_llama import INT4, PagedLlamaRunner, supports
 
@@ -59,8 +61,14 @@ def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
                     cfg.model, device)
         dtype = "bfloat16"
     if supports(AutoConfig.from_pretrained(models.hf_directory(src))):
-        return PagedLlamaRunner.load(cfg.model, dtype, device, cfg.kv_pool_tokens, cfg.block_size,
-                                     cfg.max_sessions)
+        runner = PagedLlamaRunner.load(cfg.model, dtype, device, cfg.kv_pool_tokens, cfg.block_size,
+                                       cfg.max_sessions, gpu_share_bytes(device, cfg.gpu_memory_fraction),
+                                       cfg.gpu_activation_reserve)
+        if torch.device(device).type == "cuda" and cfg.cuda_graphs:
+            runner.enable_graphs(GraphConfig(parse_sizes(cfg.cuda_graph_batches, "cuda_graph_batches"),
+                                             parse_sizes(cfg.cuda_graph_tokens, "cuda_graph_tokens")),
+                                 cuda_capture())
+        return runner
     if dtype == INT4:
         raise InvalidArgument(f"dtype int4 needs a Llama-family model (the paged runner); {cfg.model} is not one")
     log.info("%s is not a Llama-family model: serving it with the transformers runner (one session per forward)",
