@@ -86,9 +86,9 @@ def test_gpu_check_tiny_on_the_cpu_writes_every_section_with_finite_numbers(tmp_
     assert re.search(r"\[\s*\d+\.\d+s\] done in", r.stderr)  # progress lines with elapsed seconds
     text = out.read_text()
     assert "FAILED" not in text and "Skipped" not in text
-    sections = dict(re.findall(r"^## ([a-f])\. .*?\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M))
-    assert sorted(sections) == list("abcdef")
-    for letter in "abcde":  # each table with the command that made it on top
+    sections = dict(re.findall(r"^## ([a-g])\. .*?\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M))
+    assert sorted(sections) == list("abcdefg")
+    for letter in "abcdeg":  # each table with the command that made it on top
         assert "Command: `python -m specdec.lab.gpu --tiny" in sections[letter]
 
     def table(letter: str) -> list[list[str]]:
@@ -119,7 +119,10 @@ def test_gpu_check_tiny_on_the_cpu_writes_every_section_with_finite_numbers(tmp_
     for mode, row in e.items():
         assert int(row[1]) == 0 if mode == "target-only" else 1 <= int(row[1]) <= 16, row  # best k
         assert all(math.isfinite(_number(x)) and _number(x) > 0 for x in row[2:]), row
-    assert sections["f"].count("n/a on CPU") == 3 and "PASS" not in sections["f"] and "FAIL" not in sections["f"]
+    g = [row for row in table("g") if row[0] != "check"]  # isolated pools: every check passes on the CPU too
+    assert len(g) == 6 and all(row[1] == "PASS" for row in g), g
+    assert sections["f"].count("n/a on CPU") == 3 and "FAIL" not in sections["f"]
+    assert "isolation (g), every check: PASS" in sections["f"]
 
 
 def test_projection_reuses_the_expected_tokens_formula():

@@ -13,7 +13,11 @@ a Qwen2.5-7B bf16 target, a Qwen2.5-0.5B bf16 draft), and writes a Markdown repo
      and each service's peak memory from its /metrics;
   e. projected tok/s for the pair: T(k) and the draft step (b, c) with the default pair's
      acceptance by position measured on CPU (`ACCEPT_BY_POSITION`), E(k) from specdec.kchoice;
-  f. the goals of the device: PASS / FAIL.
+  g. isolated pools, on a stack of its own: a raw session holds the target's whole KV pool; a
+     request is refused with RESOURCE_EXHAUSTED and the draft still proposes; then the same with
+     the draft's pool: a request is served target-only with the same tokens, and drafts again
+     after; on a GPU also each service's peak allocated memory against its memory fraction;
+  f. the goals of the device: PASS / FAIL (isolation on any device).
 
 `--tiny` runs the same code at tiny shapes on the CPU in seconds (graphs replay eagerly there,
 `graphs.eager_capture`; goals n/a); the tests run it so that it cannot rot. Each section that
@@ -352,6 +356,165 @@ def round_summary(rounds: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# g. isolated pools
+# ---------------------------------------------------------------------------------------------
+ISOLATION_POOLS = (3072, 2048)  # target, draft KV pool tokens of the isolation stack (fixed: a pool to fill)
+
+
+class HeldSession:
+    """A raw session on the target or draft service that reserves as much of its KV pool as it
+    can and then holds it, sending nothing, until `close()` (which ends the stream: the service
+    frees it)."""
+
+    def __init__(self, address: str, service: str, prompt: list[int], max_tokens: int, max_draft: int,
+                 fingerprint: str = "", vocab: int = 0):
+        import threading
+
+        import grpc
+
+        from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+        self.channel = grpc.insecure_channel(address)
+        self.release = threading.Event()
+        if service == "target":
+            first = target_pb2.TargetRequest(open=target_pb2.TargetOpen(
+                session_id="gpu-check-held-target", prompt_token_ids=prompt, max_tokens=max_tokens,
+                max_draft=max_draft))
+            stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        else:
+            first = draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
+                session_id="gpu-check-held-draft", prompt_token_ids=prompt, max_tokens=max_tokens,
+                max_draft=max_draft, target_tokenizer_fingerprint=fingerprint, target_vocab_size=vocab))
+            stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+
+        def requests():
+            yield first
+            self.release.wait()
+
+        self.responses = stub.Session(requests(), timeout=600)
+        self.opened = next(self.responses)
+
+    def close(self) -> None:
+        self.release.set()
+        self.responses.cancel()
+        self.channel.close()
+
+
+def draft_proposes(address: str, prompt: list[int], k: int, fingerprint: str, vocab: int) -> tuple[int, float]:
+    """Open a draft session, propose k tokens, close: (tokens proposed, ms)."""
+    import grpc
+
+    from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+    msgs = [draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
+                session_id="gpu-check-probe", prompt_token_ids=prompt, max_tokens=k + 1, max_draft=k,
+                target_tokenizer_fingerprint=fingerprint, target_vocab_size=vocab)),
+            draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(keep=len(prompt), k=k))]
+    t0 = time.perf_counter()
+    with grpc.insecure_channel(address) as ch:
+        out = list(draft_pb2_grpc.DraftServiceStub(ch).Session(iter(msgs), timeout=120))
+    return len(out[-1].proposal.token_ids), (time.perf_counter() - t0) * 1e3
+
+
+def isolation_config(plan: Plan):
+    cfg = service_config(plan)
+    cfg.target.kv_pool_tokens, cfg.draft.kv_pool_tokens = ISOLATION_POOLS
+    cfg.target.admission_wait_s = 1.0  # a full target refuses within a second
+    return cfg
+
+
+def run_isolation(plan: Plan, progress: Progress) -> list[tuple[str, bool, str]]:
+    """Fill the target's KV pool with a held session: a request is refused (RESOURCE_EXHAUSTED)
+    and the draft still proposes; then fill the draft's: a request is served target-only with
+    the same tokens, and drafts again once the draft is free. [(check, passed, detail)]."""
+    import grpc
+
+    from specdec.client import Client
+    from specdec.lab.live import scrape_metrics
+    from specdec.launcher import Stack
+
+    cfg = isolation_config(plan)
+    checks: list[tuple[str, bool, str]] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append((name, bool(ok), detail))
+        progress(f"g: {name}: {'PASS' if ok else 'FAIL'} ({detail})")
+
+    prompt = _tokens(64, 11)
+    with Stack(cfg, Path(tempfile.mkdtemp(prefix="specdec-gpu-isolation-"))).start() as stack:
+        stack.wait_ready(300 if plan.on_gpu else 240)
+        with Client(stack.address("orchestrator"), timeout=120) as client:
+            wait_draft(client, 60)
+            info = client.info()
+            fp, vocab = info["target"]["tokenizer_fingerprint"], int(info["target"]["vocab_size"])
+            kw = dict(token_ids=prompt, ignore_eos=True, k=SERVICE_K)
+            reference = client.complete(max_tokens=32, mode="target-only", **kw).token_ids
+
+            def pool(name: str) -> tuple[int, int]:
+                c = getattr(cfg, name)
+                m = scrape_metrics(c.host, c.metrics_port)
+                get = lambda n: int(m.get(f'specdec:{n}{{service="{name}"}}') or 0)  # noqa: E731
+                return get("kv_blocks_reserved"), get("kv_blocks_total")
+
+            # the target's pool full
+            held = HeldSession(stack.address("target"), "target", prompt,
+                               ISOLATION_POOLS[0] - len(prompt) - SERVICE_K - 1, SERVICE_K)
+            try:
+                used, total = pool("target")
+                check("target pool held full", used == total, f"{used} of {total} blocks reserved")
+                t0 = time.monotonic()
+                try:
+                    client.complete(max_tokens=16, mode="pipelined", **kw)
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                check("a request while the target is full is refused", code == "RESOURCE_EXHAUSTED",
+                      f"{code} after {time.monotonic() - t0:.1f}s")
+                n, ms = draft_proposes(stack.address("draft"), prompt, SERVICE_K, fp, vocab)
+                check("the draft keeps working while the target is full", n == SERVICE_K,
+                      f"{n} tokens proposed in {ms:.0f} ms")
+            finally:
+                held.close()
+            # the draft's pool full
+            deadline = time.monotonic() + 10
+            while pool("target")[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            held = HeldSession(stack.address("draft"), "draft", prompt, ISOLATION_POOLS[1], SERVICE_K, fp, vocab)
+            try:
+                used, total = pool("draft")
+                check("draft pool held full", used == total, f"{used} of {total} blocks reserved")
+                res = client.complete(max_tokens=32, mode="pipelined", **kw)
+                check("the target keeps serving while the draft is full",
+                      res.token_ids == reference and res.stats["draft_tokens"] == 0,
+                      f"{len(res.token_ids)} tokens, {'same as' if res.token_ids == reference else 'NOT'} "
+                      f"target-only; {res.stats['draft_tokens']} drafted")
+            finally:
+                held.close()
+            deadline, drafted = time.monotonic() + 30, 0
+            while time.monotonic() < deadline and not drafted:
+                drafted = client.complete(max_tokens=16, mode="pipelined", **kw).stats["draft_tokens"]
+                time.sleep(0.2 if not drafted else 0)
+            check("drafting again once the draft's pool is free", drafted > 0, f"{drafted} drafted")
+            mem = []
+            for name in ("target", "draft"):
+                c = getattr(cfg, name)
+                m = scrape_metrics(c.host, c.metrics_port)
+                peak = m.get(f'specdec:memory_gpu_peak_allocated_bytes{{service="{name}"}}')
+                if plan.on_gpu:
+                    import torch
+
+                    cap = torch.cuda.get_device_properties(0).total_memory * c.gpu_memory_fraction
+                    check(f"{name} peak GPU memory within its fraction", bool(peak) and peak <= cap,
+                          f"{(peak or 0) / 2**30:.2f} of {cap / 2**30:.2f} GiB")
+                else:
+                    rss = m.get(f'specdec:memory_peak_rss_bytes{{service="{name}"}}') or 0
+                    mem.append(f"{name} {rss / 2**20:.0f} MiB")
+            if mem:
+                progress("g: peak RSS " + ", ".join(mem))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------
 # e. projection
 # ---------------------------------------------------------------------------------------------
 def projection(verify_ms: dict[int, float], draft_ms: float, accept: list[float] = ACCEPT_BY_POSITION) -> dict:
@@ -400,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip sections that would start after this many seconds (420 on a GPU, 300 with --tiny)")
-    ap.add_argument("--skip", default="", help="sections to skip, e.g. 'd' (comma-separated letters a-e)")
+    ap.add_argument("--skip", default="", help="sections to skip, e.g. 'd' (comma-separated letters a-e, g)")
     ap.add_argument("--prepare", action="store_true",
                     help="only write the random model folders under $SPECDEC_CACHE_DIR (for a machine without "
                          "the packaged tokenizer) and exit")
@@ -564,6 +727,19 @@ def main(argv: list[str] | None = None) -> int:
                   "is an upper bound (d shows what the services do)."]
         return lines
 
+    # -- g ----------------------------------------------------------------------------------
+    def section_g() -> list[str]:
+        checks = run_isolation(plan, progress)
+        state.update(isolation=checks)
+        t, d = ISOLATION_POOLS
+        lines = [report.table_intro(
+            f"a stack of its own with fixed pools (target {t}, draft {d} tokens"
+            + (f"; gpu_memory_fraction {plan.fractions[0]} / {plan.fractions[1]}" if plan.on_gpu else "")
+            + "): a raw session holds one service's whole pool while requests go through the orchestrator"), "",
+                 "| check | result | detail |", "|---|---|---|"]
+        lines += [f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |" for name, ok, detail in checks]
+        return lines
+
     # -- f ----------------------------------------------------------------------------------
     def goals() -> list[str]:
         lines = ["## f. Goals", ""]
@@ -588,6 +764,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 lines.append(f"- graphs >= {GOAL_GRAPH_SPEEDUP:g}x eager, draft decode batch {b}: "
                              f"{na if not applies else 'not measured'}")
+        iso = state.get("isolation")
+        if iso:
+            failed = [name for name, ok, _ in iso if not ok]
+            lines.append(f"- isolation (g), every check: {'PASS' if not failed else 'FAIL'}"
+                         + (f" ({'; '.join(failed)})" if failed else f" ({len(iso)} checks)"))
+        else:
+            lines.append("- isolation (g): not measured")
         return lines
 
     section("a", "Memory bandwidth and the floor of the target's step", section_a)
@@ -595,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     section("c", "CUDA graphs on / off", section_c)
     section("d", "Through the real services", section_d)
     section("e", "Projected tok/s for the pair", section_e)
+    section("g", "Isolated pools: one service's full pool does not stop the other", section_g)
     report.add(goals())
     total = progress.elapsed()
     status = f"failed sections: {', '.join(report.failed)}" if report.failed else "all sections ran"
