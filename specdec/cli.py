@@ -30,6 +30,8 @@ def cmd_up(a) -> int:
     cfg.draft.port = a.draft_port or cfg.draft.port
     if a.target_model:
         cfg.target.model = a.target_model
+    if a.target_dtype:
+        cfg.target.dtype = a.target_dtype
     if a.draft_model:
         cfg.draft.model = a.draft_model
     if a.draft_engine:
@@ -188,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target-port", type=int, help="default 50052")
     up.add_argument("--draft-port", type=int, help="default 50053")
     up.add_argument("--target-model", help="packaged name, .gguf file or HF directory")
+    up.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16", "int4"],
+                    help="torch target precision (int4: 4-bit weights; an INT4 checkpoint's own codes)")
     up.add_argument("--draft-model", help="packaged name, .gguf file or HF directory")
     up.add_argument("--draft-engine", choices=["llamacpp", "torch", "ngram"])
     up.add_argument("--no-draft", action="store_true", help="start without a draft service (target-only)")

@@ -13,11 +13,18 @@ torch's private int4 weight-only matmul for CPU (`torch._weight_int4pack_mm_for_
 kernel gpt-fast and torchao use on CPU) is also wrapped here: pinned torch 2.13; it takes
 bf16 activations only (fp32 runs a reference path ~30x slower), and the CUDA op packs
 differently, so `int4_pack`/`int4_matmul` are CPU-only.
+
+compressed-tensors (pinned 0.20.0; the format llm-compressor writes and transformers and vLLM
+load) is used for INT4 AWQ checkpoints: its quantization grid (`calculate_qparams`,
+`fake_quantize`), its packing (`PackedQuantizationCompressor`, `unpack_from_int32`) and its
+`QuantizationConfig`; the `ct_*` functions are the only place that imports it.
 """
 from __future__ import annotations
 
 import inspect
+import json
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -114,3 +121,128 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros:
     """x [T, in] bf16 @ the packed weight, w = (q - 8) * scale + zero per group of `group` rows
     of `in`; scales_zeros [in/group, out, 2] bf16 -> [T, out] bf16."""
     return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+
+
+# -- compressed-tensors (INT4 W4A16 checkpoints: specdec/awq.py writes them, the paged runner reads them) --
+CT_DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+CT_SCALE_DTYPE = torch.bfloat16  # the checkpoint's scales: what the paged runner's int4 kernel takes, exactly
+
+
+def _ct_args(group_size: int, symmetric: bool):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
+
+
+def ct_qparams(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> compressed-tensors' min/max scale and zero point per group, [out, in/G] each
+    (scale rounded to CT_SCALE_DTYPE and back, so codes are computed with the scale that is stored)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    out, k = w.shape
+    if k % group_size:
+        raise ValueError(f"{k} input features are not a multiple of the group size {group_size}")
+    groups = w.detach().float().reshape(out, k // group_size, group_size)  # [out, in/G, G]
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), _ct_args(group_size, symmetric))
+    return scale.to(CT_SCALE_DTYPE).float(), zero  # [out, in/G] float32, [out, in/G] int8
+
+
+def ct_fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                     symmetric: bool) -> torch.Tensor:
+    """w [out, in] -> its int4 round trip (compressed-tensors' quantize then dequantize)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    return fake_quantize(w.float(), scale, zero, _ct_args(group_size, symmetric))
+
+
+def ct_save_w4a16(model: torch.nn.Module, out: Path, group_size: int, symmetric: bool, ignore: list[str]) -> None:
+    """Write a float HF model as a compressed-tensors `pack-quantized` W4A16 directory: the decoder
+    layers' Linear weights packed by compressed-tensors' own compressor, the rest in bfloat16; the
+    config's `quantization_config` as llm-compressor writes it (compressed-tensors' QuantizationConfig)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from safetensors.torch import save_file
+
+    import compressed_tensors
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=_ct_args(group_size, symmetric))
+    linears = {f"model.layers.{i}.{name}" for i in range(len(model.get_decoder().layers)) for name in CT_DECODER_LINEARS}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in linears and leaf == "weight":
+            scale, zero = ct_qparams(t, group_size, symmetric)
+            packed = PackedQuantizationCompressor.compress(
+                {"weight": t.float(), "weight_scale": scale, "weight_zero_point": zero}, scheme)
+            state.update({f"{module}.{k}": v.to(CT_SCALE_DTYPE) if k == "weight_scale" else v
+                          for k, v in packed.items()})
+        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            state[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["dtype"] = "bfloat16"
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized", ignore=ignore,
+                              quantization_status="compressed")
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "version": compressed_tensors.__version__,
+                                     **json.loads(qcfg.model_dump_json(exclude={"quant_method"}))}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def ct_dequantize_config():
+    """from_pretrained's quantization_config for a compressed-tensors checkpoint loaded dense
+    (weights dequantized once at load by compressed-tensors)."""
+    from transformers import CompressedTensorsConfig
+
+    return CompressedTensorsConfig(dequantize=True)
+
+
+def ct_w4a16_settings(config) -> tuple[int, bool] | None:
+    """(group_size, symmetric) when a HF config is a compressed-tensors pack-quantized int4 group
+    checkpoint of the decoder Linears (what ct_save_w4a16 and llm-compressor's W4A16 write); else None."""
+    q = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    q = q if isinstance(q, dict) else (q.to_dict() if q is not None and hasattr(q, "to_dict") else None)
+    if not q or q.get("quant_method") != "compressed-tensors" or q.get("format") != "pack-quantized":
+        return None
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        return None
+    w = groups[0].get("weights") or {}
+    if w.get("num_bits") != 4 or w.get("type") != "int" or w.get("strategy") != "group":
+        return None
+    return int(w["group_size"]), bool(w.get("symmetric", True))
+
+
+def ct_read_w4a16(directory: Path, module: str, group_size: int, symmetric: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Linear of a pack-quantized checkpoint: (codes [out, in] int8 in -8..7, scale [out, in/G],
+    zero point [out, in/G] int8), unpacked by compressed-tensors."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    t = _ct_tensors(directory, module)
+    shape = torch.Size(t["weight_shape"].tolist())
+    codes = unpack_from_int32(t["weight_packed"], 4, shape)  # [out, in]
+    scale = t["weight_scale"]  # [out, in/G]
+    if symmetric:
+        zero = torch.zeros(scale.shape, dtype=torch.int8)
+    else:
+        zero = unpack_from_int32(t["weight_zero_point"], 4, torch.Size((shape[0], scale.shape[1])), packed_dim=0)
+    return codes, scale, zero
+
+
+def _ct_tensors(directory: Path, module: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        with safe_open(str(directory / f), framework="pt") as st:
+            for key in st.keys():
+                if key.startswith(module + "."):
+                    out[key[len(module) + 1:]] = st.get_tensor(key)
+    if "weight_packed" not in out:
+        raise ValueError(f"{directory}: no packed weight for {module}")
+    return out

@@ -20,12 +20,14 @@ result is cached once as a plain safetensors directory under $SPECDEC_CACHE_DIR
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,8 +212,26 @@ def load_model(src: ModelSource, dtype: str = "float32", device: str = "cpu"):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src.directory), dtype=torch_dtype)
         return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(hf_directory(src), dtype=torch_dtype)
+    from specdec import hf_compat
+
+    extra = {}
+    if int4_checkpoint(src) is not None:  # dense, dequantized by compressed-tensors: the paged runner's
+        extra["quantization_config"] = hf_compat.ct_dequantize_config()  # int4 swaps in the stored codes
+    with warnings.catch_warnings():  # "the quantization_config from the model will be used": as meant
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(hf_directory(src), dtype=torch_dtype, **extra)
     return model.to(device).eval()
+
+
+def int4_checkpoint(src: ModelSource) -> tuple[int, bool] | None:
+    """(group_size, symmetric) when `src` is a compressed-tensors INT4 (W4A16) directory, such as
+    `specdec quantize` and llm-compressor's AWQ write (specdec/awq.py); else None."""
+    from specdec import hf_compat
+
+    if src.gguf_file or src.random_init:
+        return None
+    config = src.directory / "config.json"
+    return hf_compat.ct_w4a16_settings(json.loads(config.read_text())) if config.exists() else None
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -1,10 +1,10 @@
-"""The lab's subcommands of `specdec`: bench, study and tune (registered by specdec/cli.py)."""
+"""The lab's subcommands of `specdec`: bench, study, tune and quantize (registered by specdec/cli.py)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from specdec.lab import bench, report, steps, study, tune
+from specdec.lab import bench, quantize, report, steps, study, tune
 from specdec.lab.analysis import SPECULATIVE
 
 
@@ -17,10 +17,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub) -> None:
-    """`specdec bench`, `specdec study` and `specdec tune`."""
+    """`specdec bench`, `specdec study`, `specdec tune` and `specdec quantize`."""
     add_bench_parser(sub)
     add_study_parser(sub)
     add_tune_parser(sub)
+    quantize.add_quantize_parser(sub)
 
 
 def add_bench_parser(sub) -> None:

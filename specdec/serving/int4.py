@@ -23,9 +23,10 @@ OUT_MULTIPLE = 16  # torch's CPU packing takes output features in multiples of 1
 @dataclass(frozen=True)
 class Int4Weight:
     packed: torch.Tensor  # torch's packed CPU int4 layout of the codes [out, in]
-    scales_zeros: torch.Tensor  # [in/GROUP, out, 2] bf16: scale and zero of each group
+    scales_zeros: torch.Tensor  # [in/group, out, 2] bf16: scale and zero of each group
     in_features: int
     out_features: int
+    group: int = GROUP  # input rows per scale (torch's kernel takes 32, 64, 128 or 256)
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> "Int4Weight":
@@ -43,9 +44,26 @@ class Int4Weight:
         packed = hf_compat.int4_pack(codes.to(torch.int32).reshape(n, k))
         return cls(packed, scales_zeros, k, n)
 
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, group: int
+                   ) -> "Int4Weight":
+        """A compressed-tensors int4 Linear as it is stored (no requantization): codes [out, in] in
+        -8..7, scale [out, in/group], zero_point [out, in/group] in -8..7; w = (code - zero_point) * scale.
+        Here w = (code + 8 - 8) * scale + zero with zero = -zero_point * scale: exact when the zero
+        point is 0 (symmetric) and the scale is bf16, up to bf16's rounding of the zero otherwise."""
+        n, k = codes.shape
+        if k % group or n % OUT_MULTIPLE or group not in (32, 64, 128, 256):
+            raise ValueError(f"int4 needs groups of 32, 64, 128 or 256 dividing the input features and output "
+                             f"features divisible by {OUT_MULTIPLE}, got [{n}, {k}] in groups of {group}")
+        scale = scale.float()  # [out, in/G]
+        zero = -zero_point.float() * scale  # [out, in/G]
+        scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [in/G, out, 2]
+        packed = hf_compat.int4_pack((codes.to(torch.int32) + 8).contiguous())  # [out, in] codes 0..15
+        return cls(packed, scales_zeros, k, n, group)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] bf16 -> [T, out] bf16."""
-        return hf_compat.int4_matmul(x, self.packed, GROUP, self.scales_zeros)
+        return hf_compat.int4_matmul(x, self.packed, self.group, self.scales_zeros)
 
     def dequantize(self) -> torch.Tensor:
         """The [in, out] float32 matrix this stands for (tests)."""

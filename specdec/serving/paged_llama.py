@@ -39,7 +39,7 @@ RoPE tables, activations, the KV pool) bf16. It is for drafts: a token costs a t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -232,17 +232,24 @@ def extract_weights(model: torch.nn.Module, arch: Arch, consume: bool = False) -
                    lm_head=lm_head, cos=cos, sin=sin)
 
 
-def quantize_int4(w: Weights) -> Weights:
-    """The `int4` precision of fp32 weights: 4-bit matmul weights, bf16 for the rest."""
+# the fused matrices of a layer, and the Linear layers each one concatenates (along its outputs)
+FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+MakeInt4 = Callable[[int, str, torch.Tensor], Int4Weight]  # (layer, fused name, the [in, out] matrix)
+
+
+def quantize_int4(w: Weights, make: MakeInt4 = lambda _layer, _name, m: Int4Weight.quantize(m)) -> Weights:
+    """The `int4` precision: 4-bit matmul weights (`make`: by default each float32 matrix quantized
+    on the Q4_1 grid), bf16 for the rest."""
     def bf16(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(torch.bfloat16)
 
-    layers = [LayerWeights(input_norm=bf16(lw.input_norm), qkv=Int4Weight.quantize(lw.qkv), qkv_bias=bf16(lw.qkv_bias),
-                           qk_norm=bf16(lw.qk_norm), o=Int4Weight.quantize(lw.o), o_bias=bf16(lw.o_bias),
-                           post_norm=bf16(lw.post_norm), gate_up=Int4Weight.quantize(lw.gate_up),
-                           gate_up_bias=bf16(lw.gate_up_bias), down=Int4Weight.quantize(lw.down),
+    layers = [LayerWeights(input_norm=bf16(lw.input_norm), qkv=make(i, "qkv", lw.qkv), qkv_bias=bf16(lw.qkv_bias),
+                           qk_norm=bf16(lw.qk_norm), o=make(i, "o", lw.o), o_bias=bf16(lw.o_bias),
+                           post_norm=bf16(lw.post_norm), gate_up=make(i, "gate_up", lw.gate_up),
+                           gate_up_bias=bf16(lw.gate_up_bias), down=make(i, "down", lw.down),
                            down_bias=bf16(lw.down_bias), window=lw.window)
-              for lw in w.layers]
+              for i, lw in enumerate(w.layers)]
     # the output head stays bf16: it is not on a 4-bit grid in the shipped GGUF, and in 4 bits the
     # default draft agreed with its fp32 self on 95.8% of next tokens of a 200-token text (bf16
     # head: 99.4%; int8: 98.2%; a one-off check). Kept [V, hidden] and used through a transposed
@@ -253,6 +260,17 @@ def quantize_int4(w: Weights) -> Weights:
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]
     return Weights(embed=embed, layers=layers, final_norm=bf16(w.final_norm), lm_head=head.t(),
                    cos=bf16(w.cos), sin=bf16(w.sin))
+
+
+def stored_int4(directory, group: int, symmetric: bool) -> MakeInt4:
+    """`make` for quantize_int4 that takes a compressed-tensors INT4 checkpoint's codes as stored
+    (specdec/awq.py, llm-compressor): the fused matrix from its Linears' codes, scales and zero
+    points concatenated along the outputs, no requantization."""
+    def make(layer: int, name: str, _dense: torch.Tensor) -> Int4Weight:
+        parts = [hf_compat.ct_read_w4a16(directory, f"model.layers.{layer}.{m}", group, symmetric) for m in FUSED[name]]
+        codes, scale, zero = (torch.cat([p[j] for p in parts]) for j in range(3))  # [out, in], [out, in/G] x 2
+        return Int4Weight.from_codes(codes, scale, zero, group)
+    return make
 
 
 # ----------------------------------------------------------------------------------------
@@ -461,7 +479,9 @@ class PagedLlamaRunner:
         if dtype == INT4 and torch.device(device).type != "cpu":
             raise ValueError("dtype int4 runs on the CPU only (torch's CPU int4 kernel); use bfloat16 on a GPU")
         src = models.resolve(spec)
-        model = models.load_model(src, "float32" if dtype == INT4 else dtype, device)
+        stored = models.int4_checkpoint(src) if dtype == INT4 else None  # (group, symmetric) of its codes
+        model = models.load_model(src, "float32" if dtype == INT4 and stored is None else
+                                  "bfloat16" if dtype == INT4 else dtype, device)
         tok = models.load_tokenizer(src)
         if pool_tokens <= 0:
             arch = _arch_of(model, 1)
@@ -471,7 +491,8 @@ class PagedLlamaRunner:
                                                     activation_reserve, block_size)
         num_blocks = max(1, -(-pool_tokens // block_size))
         return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
-                          num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4)
+                          num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4,
+                          int4_make=stored_int4(src.directory, *stored) if stored else None)
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
@@ -485,7 +506,8 @@ class PagedLlamaRunner:
 
     @classmethod
     def _build(cls, model, spec: str, fingerprint: str, eos: list[int], num_blocks: int, block_size: int,
-               max_seqs: int, consume: bool, int4: bool = False) -> "PagedLlamaRunner":
+               max_seqs: int, consume: bool, int4: bool = False, int4_make: MakeInt4 | None = None
+               ) -> "PagedLlamaRunner":
         if not supports(model.config):
             raise ValueError(f"PagedLlamaRunner does not support model_type={model.config.model_type!r} "
                              f"(rope {hf_compat.rope_type(model.config)!r}); use the transformers runner")
@@ -496,7 +518,9 @@ class PagedLlamaRunner:
         dtype, device = param.dtype, param.device
         with torch.inference_mode():
             weights = extract_weights(model, arch, consume=consume)
-            if int4:
+            if int4 and int4_make is not None:  # a stored INT4 checkpoint: its own codes
+                weights, dtype = quantize_int4(weights, int4_make), torch.bfloat16
+            elif int4:
                 if dtype != torch.float32:
                     raise ValueError(f"int4 quantizes a float32 model, got {dtype}")
                 weights, dtype = quantize_int4(weights), torch.bfloat16
