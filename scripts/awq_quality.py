@@ -1,11 +1,12 @@
 """How close each 4-bit copy of the default target is to the fp32 target, and what a step costs:
     python scripts/awq_quality.py OUT_DIR [--prompts 8] [--tokens 64]
-Writes OUT_DIR/{awq,awq-asym,rtn} with `specdec quantize` (calibrated on seed-100 prompts), then
+Writes OUT_DIR/{awq,awq-sym,rtn,rtn-sym} with `specdec quantize` (calibrated on seed-100 prompts), then
 teacher-forces the fp32 target's own greedy continuation of `--prompts` held-out prompts (seed 0,
 chat and code) through the paged runner at each precision, and prints one JSON line: per variant,
 next-token agreement with fp32, mean KL(fp32 || variant), and the median ms of a 9-token verify
 step (one core, 200 cached tokens, 7 runs). Variants: torch-int4 (the draft's precision: the GGUF's
-Q4_1 grid, asymmetric, requantized at load), rtn (compressed-tensors W4A16, s = 1), awq, awq-asym."""
+Q4_1 grid, asymmetric, requantized at load), then compressed-tensors checkpoints: rtn-sym and awq-sym
+(W4A16, no zero points), rtn and awq (W4A16_ASYM, the `specdec quantize` default); rtn is s = 1."""
 import argparse, json, statistics, subprocess, sys, time
 sys.path.insert(0, ".")
 from pathlib import Path
@@ -25,7 +26,8 @@ a = ap.parse_args()
 torch.set_num_threads(1)
 out = Path(a.out)
 made = {}
-for name, flags in (("awq", []), ("awq-asym", ["--asymmetric"]), ("rtn", ["--method", "rtn"])):
+for name, flags in (("awq", []), ("awq-sym", ["--symmetric"]), ("rtn", ["--method", "rtn"]),
+                    ("rtn-sym", ["--method", "rtn", "--symmetric"])):
     if not (out / name / "config.json").exists():
         t0 = time.monotonic()
         subprocess.run([sys.executable, "-m", "specdec.cli", "quantize", "--out", str(out / name), *flags], check=True)
@@ -34,8 +36,8 @@ for name, flags in (("awq", []), ("awq-asym", ["--asymmetric"]), ("rtn", ["--met
 spec = models.DEFAULT_TARGET_MODEL
 tok = models.load_tokenizer(models.resolve(spec))
 prompts = [hf_compat.chat_token_ids(tok, p.messages) for p in mixed_workload(a.prompts, 0)]
-variants = {"fp32": (spec, "float32"), "torch-int4": (spec, "int4"), "rtn": (str(out / "rtn"), "int4"),
-            "awq": (str(out / "awq"), "int4"), "awq-asym": (str(out / "awq-asym"), "int4")}
+variants = {"fp32": (spec, "float32"), "torch-int4": (spec, "int4"),
+            **{name: (str(out / name), "int4") for name in ("rtn-sym", "awq-sym", "rtn", "awq")}}
 
 
 def logits_of(runner, ids, n_logits):
@@ -67,9 +69,12 @@ for name, (model, dtype) in variants.items():
     agree, kl, n = 0, 0.0, 0
     for i, ids in enumerate(prompts):
         if name == "fp32":  # the fp32 target's greedy continuation, then teacher-forced for all
-            seq = list(ids)
+            seq, s = list(ids), runner.blocks.reserve(len(ids) + a.tokens + 8)
+            (lg,) = runner.forward([SeqChunk(s, seq, 0, 1)])
             for _ in range(a.tokens):
-                seq.append(int(logits_of(runner, seq, 1)[-1].argmax()))
+                seq.append(int(lg[-1].argmax()))
+                (lg,) = runner.forward([SeqChunk(s, seq[-1:], len(seq) - 1, 1)])
+            runner.blocks.free(s)
             reference[i] = (seq, logits_of(runner, seq, a.tokens + 1)[:-1])
         seq, ref = reference[i]
         lg = logits_of(runner, seq, a.tokens + 1)[:-1]  # [tokens, V]: predictions of the continuation

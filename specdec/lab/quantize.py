@@ -28,7 +28,8 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--calibration-prompts", type=int, default=16)
     p.add_argument("--max-calibration-tokens", type=int, default=4096)
     p.add_argument("--group-size", type=int, default=32)
-    p.add_argument("--asymmetric", action="store_true", help="zero points per group (W4A16_ASYM)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="no zero points (W4A16); default: a zero point per group (W4A16_ASYM)")
     p.add_argument("--grid", type=int, default=20, help="AWQ: alpha values searched in [0, 1)")
     p.add_argument("--seed", type=int, default=100, help="calibration prompt selection")
     p.set_defaults(fn=lambda a: run_quantize(a))
@@ -49,7 +50,7 @@ def run_quantize(a) -> int:
     src = models.resolve(a.model)
     tok = models.load_tokenizer(src)
     model = models.load_model(src, "float32")
-    settings = awq.AwqSettings(group_size=a.group_size, symmetric=not a.asymmetric,
+    settings = awq.AwqSettings(group_size=a.group_size, symmetric=a.symmetric,
                                grid=a.grid if a.method == "awq" else 1,
                                max_calibration_tokens=a.max_calibration_tokens)
     report = awq.awq_quantize(model, calibration_ids(tok, a.calibration_prompts, a.seed), settings)
