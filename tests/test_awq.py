@@ -127,6 +127,9 @@ def test_tiny_model_awq_checkpoint_loads_in_transformers_and_in_the_paged_runner
                                rtol=0, atol=0)
 
 
+N_AWQ_PROMPTS, N_AWQ_TOKENS = 6, 48
+
+
 @pytest.mark.slow
 def test_awq_target_from_the_shipped_model_greedy_identical_to_its_target_only(tmp_path, prompts):
     """The shipped SmolLM2 quantized by `specdec quantize` and served as the target with the default
@@ -156,18 +159,18 @@ def test_awq_target_from_the_shipped_model_greedy_identical_to_its_target_only(t
             while not c.info().get("draft_available") and time.monotonic() < deadline:
                 time.sleep(0.2)
             drafted, accepted, differ = 0, 0, []
-            for pid, ids in prompts[:6]:
-                ref = c.complete(token_ids=ids, max_tokens=48, ignore_eos=True, mode="target-only").token_ids
-                assert len(ref) == 48
+            for pid, ids in prompts[:N_AWQ_PROMPTS]:
+                ref = c.complete(token_ids=ids, max_tokens=N_AWQ_TOKENS, ignore_eos=True, mode="target-only").token_ids
+                assert len(ref) == N_AWQ_TOKENS
                 for mode in ("sequential", "pipelined"):
-                    res = c.complete(token_ids=ids, max_tokens=48, ignore_eos=True, mode=mode, k=8)
-                    assert len(res.token_ids) == 48
+                    res = c.complete(token_ids=ids, max_tokens=N_AWQ_TOKENS, ignore_eos=True, mode=mode, k=8)
+                    assert len(res.token_ids) == N_AWQ_TOKENS
                     if res.token_ids != ref:
                         differ.append((pid, mode))
                     drafted += res.stats["draft_tokens"]
                     accepted += res.stats["accepted_tokens"]
             print(f"AWQ target at {dtype}, default int4 draft: {accepted}/{drafted} drafts accepted; "
-                  f"{12 - len(differ)} of 12 outputs identical to target-only")
+                  f"{2 * N_AWQ_PROMPTS - len(differ)} of {2 * N_AWQ_PROMPTS} outputs identical to target-only")
             assert drafted > 0 and accepted > 0
             if dtype == "float32":
                 assert not differ, differ

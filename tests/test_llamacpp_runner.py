@@ -102,7 +102,10 @@ def _assert_same_up_to_q4_noise(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=1.5, rtol=0)
     assert float(_kl(ref, got).max()) < 0.02
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # the same next token, unless the reference itself has a near-tie within that noise (CI saw
+    # 13.82 against 13.60: ggml's threads take matmul chunks dynamically, so runs differ)
+    picked = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)  # ref's logit of got's choice
+    assert bool((picked >= ref.max(-1).values - 0.5).all()), (got.argmax(-1), ref.argmax(-1))
 
 
 # -- facts ---------------------------------------------------------------------------------------
