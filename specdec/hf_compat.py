@@ -232,17 +232,27 @@ def ct_read_w4a16(directory: Path, module: str, group_size: int, symmetric: bool
     return codes, scale, zero
 
 
-def _ct_tensors(directory: Path, module: str) -> dict[str, torch.Tensor]:
+@lru_cache(maxsize=4)
+def _ct_key_files(directory: Path) -> dict[str, str]:
+    """Every tensor name of a checkpoint -> the safetensors file holding it (read once per directory,
+    not once per Linear: loading reads 7 Linears a layer)."""
     from safetensors import safe_open
 
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as st:
+        return {key: "model.safetensors" for key in st.keys()}
+
+
+def _ct_tensors(directory: Path, module: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
     out = {}
-    for f in files:
+    mine = [(k, f) for k, f in _ct_key_files(Path(directory)).items() if k.startswith(module + ".")]
+    for f in sorted({f for _, f in mine}):
         with safe_open(str(directory / f), framework="pt") as st:
-            for key in st.keys():
-                if key.startswith(module + "."):
-                    out[key[len(module) + 1:]] = st.get_tensor(key)
+            out.update({k[len(module) + 1:]: st.get_tensor(k) for k, g in mine if g == f})
     if "weight_packed" not in out:
         raise ValueError(f"{directory}: no packed weight for {module}")
     return out
