@@ -120,7 +120,7 @@ class _GatedRunner:
         self.inner, self.blocks, self.facts = inner, inner.blocks, inner.facts
         self.gate, self.entered = threading.Event(), threading.Event()
 
-    def forward(self, chunks):
+    def forward(self, chunks, stop=None):
         self.entered.set()
         assert self.gate.wait(10)
         return self.inner.forward(chunks)

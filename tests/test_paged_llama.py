@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec import hf_compat
-from specdec.serving.batch import SeqChunk
+from specdec.serving.batch import SeqChunk, StepAborted
 from specdec.serving.graphs import GraphConfig, eager_capture
 from specdec.serving.int4 import GROUP, Int4Weight
 from specdec.serving.paged_llama import PagedLlamaRunner, supports
@@ -252,6 +252,30 @@ def test_bad_calls_raise_and_change_nothing():
     more = rand_tokens(rng, 3)
     (got,) = r.forward([SeqChunk(a, more, 5, 3)])
     torch.testing.assert_close(got, reference(model, toks_a + more)[5:], atol=ATOL, rtol=0)
+
+
+def test_a_stopped_step_keeps_nothing_and_the_runner_goes_on():
+    """stop() is asked before every layer; when it says True the step is rolled back."""
+    model = tiny_model("llama")
+    r = PagedLlamaRunner.from_hf_model(model, num_blocks=20, block_size=4, max_seqs=4)
+    rng = random.Random(9)
+    seq = r.blocks.reserve(40)
+    toks = rand_tokens(rng, 6)
+    r.forward([SeqChunk(seq, toks, 0, 1)])
+    before = (r.blocks.stats(), r.blocks.length(seq), r.blocks.table(seq))
+    asked = []
+
+    def stop():
+        asked.append(1)
+        return len(asked) == 2  # stop before the second layer
+
+    with pytest.raises(StepAborted, match="layer 1"):
+        r.forward([SeqChunk(seq, rand_tokens(rng, 9), 6, 1)], stop=stop)
+    assert len(asked) == 2
+    assert (r.blocks.stats(), r.blocks.length(seq), r.blocks.table(seq)) == before
+    more = rand_tokens(rng, 3)
+    (got,) = r.forward([SeqChunk(seq, more, 6, 3)], stop=lambda: False)
+    torch.testing.assert_close(got, reference(model, toks + more)[6:], atol=ATOL, rtol=0)
 
 
 def test_bfloat16_runs():

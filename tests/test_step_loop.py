@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from specdec.serving.batch import ModelFacts, SeqChunk
+from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted
 from specdec.serving.blocks import BlockManager
 from specdec.serving.jobs import Job
 from specdec.serving.scheduler import Scheduler, SchedulerConfig
@@ -25,7 +25,7 @@ class RecordingRunner:
         self.batches: list[list[SeqChunk]] = []
         self.gate: threading.Event | None = None
 
-    def forward(self, chunks):
+    def forward(self, chunks, stop=None):
         if self.gate is not None:
             assert self.gate.wait(10)
         assert len({c.seq for c in chunks}) == len(chunks)
@@ -120,5 +120,49 @@ def test_a_failing_forward_fails_its_jobs_and_the_loop_goes_on():
         with pytest.raises(AssertionError):
             bad.result(10)
         assert loop.submit(Whole(seq, 0, [1, 2], 2)).result(10) == 2
+    finally:
+        loop.stop()
+
+
+class LayeredRunner(RecordingRunner):
+    """A forward of `layers` slow layers that asks stop() before each, like the paged runner."""
+
+    def __init__(self, layers: int = 200, layer_s: float = 0.01):
+        super().__init__()
+        self.layers, self.layer_s = layers, layer_s
+        self.started = threading.Event()
+
+    def forward(self, chunks, stop=None):
+        import time
+
+        self.started.set()
+        for i in range(self.layers):
+            if stop is not None and stop():
+                raise StepAborted(f"stopped before layer {i}")
+            time.sleep(self.layer_s)
+        return super().forward(chunks)
+
+
+def test_a_step_of_closed_sequences_stops_part_way_and_others_run_to_the_end():
+    import time
+
+    runner = LayeredRunner()  # a step takes 2 s unless stopped
+    loop = StepLoop(runner, Scheduler(SchedulerConfig(512, 128))).start()
+    try:
+        a, b = runner.blocks.reserve(64), runner.blocks.reserve(64)
+        job = loop.submit(Whole(a, 0, [1] * 9, 9))
+        assert runner.started.wait(10)
+        t0 = time.monotonic()
+        loop.abandon(a)
+        with pytest.raises(StepAborted):
+            job.result(10)
+        assert time.monotonic() - t0 < 0.5 and loop.aborted_steps == 1
+        assert loop.call(lambda: runner.blocks.length(a)).result(10) == 0  # nothing kept
+        loop.forget(a)
+        runner.started.clear()
+        both = [loop.submit(Whole(s, 0, [1] * 3, 3)) for s in (a, b)]
+        assert runner.started.wait(10)
+        loop.abandon(b)  # one of the two is closed: the other still needs the step
+        assert [f.result(10) for f in both] == [3, 3] and loop.aborted_steps == 1
     finally:
         loop.stop()

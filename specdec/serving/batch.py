@@ -17,11 +17,19 @@ releases them all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from specdec.serving.blocks import BlockManager
+
+
+class StepAborted(Exception):
+    """A runner gave up a step part way because `stop()` said so (every sequence in it was
+    closed): nothing of the step is kept, and the sequences' caches are as before it."""
+
+
+StopCheck = Callable[[], bool]  # asked between layers: True = abandon the step
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,14 @@ class BatchRunner(Protocol):
     facts: ModelFacts
     blocks: BlockManager
 
-    def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
+    def forward(self, chunks: Sequence[SeqChunk], stop: StopCheck | None = None) -> list[torch.Tensor]:
         """Append every chunk to its sequence (distinct sequences) in one forward.
 
         Returns, per chunk, logits [num_logits, V] float32 on CPU for its last num_logits tokens.
+        `stop`, when given, is asked at points inside the forward (between layers, or between
+        the runner's calls); when it says True the runner rolls the step back and raises
+        StepAborted, so that a closed session's long prefill chunk does not hold its memory
+        until the chunk would have ended.
         """
 
     def truncate(self, seq: int, length: int) -> None:

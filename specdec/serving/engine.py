@@ -3,7 +3,8 @@ admitted by reservation, served by one model thread (the step loop).
 
 Subclasses (the target's and the draft's engines) add the session state and the jobs; the
 bookkeeping lives here once: admission, lookup, occupancy, and a close that never blocks
-(the model thread frees the sequence between steps, after any work in flight for it).
+(the model thread frees the sequence between steps; a step that carries only closed
+sessions stops at its next layer).
 """
 from __future__ import annotations
 
@@ -66,10 +67,12 @@ class PooledEngine(Generic[S]):
         s = self._sessions.pop(session_id, None)
         if s is not None:
             self.admission.releasing()
+            self.loop.abandon(s.seq)  # a step of closed sessions only stops at its next layer
             self.loop.call(self._free, s.seq)
 
     def _free(self, seq: int) -> None:  # model thread
         for job in self.loop.scheduler.drop(seq):
             job.fail(NotFound("the session was closed"))
+        self.loop.forget(seq)
         self.runner.free(seq)
         self.admission.released()

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from specdec import hf_compat, models
-from specdec.serving.batch import ModelFacts, SeqChunk
+from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving.blocks import BlockManager
 
 
@@ -45,11 +45,15 @@ class HFRunner:
                    max_seqs)
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
+    def forward(self, chunks: Sequence[SeqChunk], stop: StopCheck | None = None) -> list[torch.Tensor]:
+        """One transformers forward per chunk; `stop()` is asked before each (it says True only
+        when every sequence of the step is closed, so what earlier chunks appended goes with them)."""
         if len({c.seq for c in chunks}) != len(chunks):
             raise ValueError("a sequence appears twice in one batch")
         out = []
         for c in chunks:
+            if stop is not None and stop():
+                raise StepAborted("stopped between sequences")
             cached = self.blocks.length(c.seq)
             if c.start != cached:
                 raise ValueError(f"sequence {c.seq}: chunk starts at {c.start} but {cached} tokens are cached")

@@ -40,7 +40,7 @@ import torch
 
 from specdec import models
 from specdec.errors import InvalidArgument
-from specdec.serving.batch import ModelFacts, SeqChunk
+from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving.blocks import BlockManager
 
 log = logging.getLogger(__name__)
@@ -267,12 +267,14 @@ class LlamaCppRunner:
             raise
 
     # -- the protocol --------------------------------------------------------------------------
-    def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
+    def forward(self, chunks: Sequence[SeqChunk], stop: StopCheck | None = None) -> list[torch.Tensor]:
         """Append every chunk to its sequence; logits [num_logits, V] float32 per chunk.
 
         All chunks go into one llama_decode call when they hold at most `n_batch` tokens
         together; otherwise they are packed, in order, into as few calls as needed (a chunk
         may straddle two). On any failure every chunk's sequence is rolled back to its start.
+        `stop()` is asked before each llama_decode call (not inside one: llama.cpp's abort
+        callback would call into Python for every graph node).
         """
         L, V = self._L, self.facts.vocab_size
         with self._lock:
@@ -287,6 +289,8 @@ class LlamaCppRunner:
                         L.llama_memory_seq_rm(self._mem, c.seq, 0, -1)  # stale cells, if any
                 out: list[list[np.ndarray]] = [[] for _ in chunks]
                 for plan in self._plan(chunks):
+                    if stop is not None and stop():
+                        raise StepAborted("stopped between llama_decode calls")
                     self._decode(plan, chunks, out)
             except BaseException:
                 for c in grown:

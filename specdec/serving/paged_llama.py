@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from specdec import hf_compat, models
 from specdec.devices import kv_pool_tokens_for_memory
-from specdec.serving.batch import ModelFacts, SeqChunk
+from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving.blocks import BlockManager
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight
@@ -410,8 +410,10 @@ def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor, v_ca
     return x + linear(F.silu(gate) * up, lw.down, lw.down_bias)  # [T, hidden]
 
 
-def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch) -> torch.Tensor:
-    """One step over StepInputs -> logits [R, V] in the model dtype, on the model's device."""
+def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, stop: StopCheck | None = None
+             ) -> torch.Tensor:
+    """One step over StepInputs -> logits [R, V] in the model dtype, on the model's device.
+    `stop()` is asked before each layer: True raises StepAborted (the caller rolls back)."""
     x = weights.embed.index_select(0, inputs.token_ids)  # [T, hidden]
     cos = weights.cos.index_select(0, inputs.positions)  # [T, D]
     sin = weights.sin.index_select(0, inputs.positions)  # [T, D]
@@ -419,6 +421,8 @@ def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch) -> 
     masks = attention_masks(inputs.query_positions, num_keys, arch.group, arch.windows,
                             x.dtype)  # {window: [B, 1, maxq*G, C]}
     for layer, lw in enumerate(weights.layers):
+        if stop is not None and stop():
+            raise StepAborted(f"stopped before layer {layer}")
         x = decoder_layer(x, lw, pool.k[layer], pool.v[layer], cos, sin, inputs, masks[lw.window], arch,
                           pool.block_size)  # [T, hidden]
     h = x.index_select(0, inputs.logit_rows)  # [R, hidden]
@@ -627,14 +631,15 @@ class PagedLlamaRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
-        """Append every chunk in one forward; per chunk, float32 CPU logits [num_logits, V]."""
+    def forward(self, chunks: Sequence[SeqChunk], stop: StopCheck | None = None) -> list[torch.Tensor]:
+        """Append every chunk in one forward; per chunk, float32 CPU logits [num_logits, V].
+        An eager step asks `stop()` between layers; a graph replay (short by design) does not."""
         bucket = self._bucket(chunks)
         if bucket is not None:
             return self._forward_graph(chunks, bucket)
         inputs = self.prepare(chunks)
         try:
-            logits = run_step(self.weights, self.pool, inputs, self.arch)  # [R, V]
+            logits = run_step(self.weights, self.pool, inputs, self.arch, stop)  # [R, V]
         except BaseException:
             self.rollback(chunks)
             raise
