@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from specdec.devices import default_draft_engine
 from specdec.errors import InvalidArgument
 from specdec.models import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
@@ -77,10 +78,11 @@ class TargetConfig(ModelServiceConfig):
 @dataclass
 class DraftConfig(ModelServiceConfig):
     port: int = 50053
-    # the paged torch runner with 4-bit weights: its batched step scales, the llama.cpp draft's
-    # does not on this CPU (README, "Choosing the defaults"); on a GPU int4 runs as bfloat16
-    engine: str = "torch"  # torch | llamacpp | ngram
-    dtype: str = "int4"
+    # torch | llamacpp | ngram. By default the paged torch runner with 4-bit weights (int4 runs as
+    # bfloat16 on a GPU) where its batched step scales (AVX-512 CPUs, GPUs), else llama.cpp on the
+    # shipped Q4_1 GGUF (AVX2-only CPUs): devices.default_draft_engine, README "Choosing the defaults"
+    engine: str = field(default_factory=default_draft_engine)
+    dtype: str = "int4"  # torch engine
     model: str = DEFAULT_DRAFT_MODEL
     cpu_cores: str = "1"
     admission_wait_s: float = 0.0  # a full draft does not queue: the request runs target-only

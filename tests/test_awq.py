@@ -14,6 +14,7 @@ their stored codes (specdec/serving/paged_llama.py `stored_int4`, int4.py `Int4W
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -128,6 +129,9 @@ def test_tiny_model_awq_checkpoint_loads_in_transformers_and_in_the_paged_runner
 
 
 N_AWQ_PROMPTS, N_AWQ_TOKENS = 6, 48
+# the int4 half only reports (bf16 activations, not batch-invariant) and bf16 is slow on CPUs
+# without AVX512-BF16: CI runs 2 prompts; SPECDEC_AWQ_INT4_PROMPTS=6 gives the documented count
+N_AWQ_INT4_PROMPTS = int(os.environ.get("SPECDEC_AWQ_INT4_PROMPTS", "2"))
 
 
 @pytest.mark.slow
@@ -159,7 +163,8 @@ def test_awq_target_from_the_shipped_model_greedy_identical_to_its_target_only(t
             while not c.info().get("draft_available") and time.monotonic() < deadline:
                 time.sleep(0.2)
             drafted, accepted, differ = 0, 0, []
-            for pid, ids in prompts[:N_AWQ_PROMPTS]:
+            n = N_AWQ_PROMPTS if dtype == "float32" else N_AWQ_INT4_PROMPTS
+            for pid, ids in prompts[:n]:
                 ref = c.complete(token_ids=ids, max_tokens=N_AWQ_TOKENS, ignore_eos=True, mode="target-only").token_ids
                 assert len(ref) == N_AWQ_TOKENS
                 for mode in ("sequential", "pipelined"):
@@ -169,8 +174,8 @@ def test_awq_target_from_the_shipped_model_greedy_identical_to_its_target_only(t
                         differ.append((pid, mode))
                     drafted += res.stats["draft_tokens"]
                     accepted += res.stats["accepted_tokens"]
-            print(f"AWQ target at {dtype}, default int4 draft: {accepted}/{drafted} drafts accepted; "
-                  f"{2 * N_AWQ_PROMPTS - len(differ)} of {2 * N_AWQ_PROMPTS} outputs identical to target-only")
+            print(f"AWQ target at {dtype}, default draft ({cfg.draft.engine}): {accepted}/{drafted} drafts accepted; "
+                  f"{2 * n - len(differ)} of {2 * n} outputs identical to target-only")
             assert drafted > 0 and accepted > 0
             if dtype == "float32":
                 assert not differ, differ
