@@ -50,6 +50,7 @@ class ModelServiceConfig(ServiceConfig):
     model: str = DEFAULT_TARGET_MODEL  # packaged name, .gguf file or HF directory
     dtype: str = "float32"  # torch engine: float32 | bfloat16 | float16 | int4 (4-bit weights, bf16 activations; CPU)
     gguf_type: str = ""  # llamacpp engine: run the GGUF in f32 | f16 | q8_0 (a requantized copy, made once); "" = as shipped
+    int4_head: str = "bfloat16"  # torch engine at dtype int4: bfloat16 head | int8 (also an int8 copy for steps of <= 4 logit rows)
     kv_pool_tokens: int = 16384  # the KV pool, allocated at startup: tokens over all sessions
     block_size: int = 16  # tokens per KV block
     max_step_tokens: int = 512  # tokens in one forward, all sessions together
@@ -83,6 +84,7 @@ class DraftConfig(ModelServiceConfig):
     # shipped Q4_1 GGUF (AVX2-only CPUs): devices.default_draft_engine, README "Choosing the defaults"
     engine: str = field(default_factory=default_draft_engine)
     dtype: str = "int4"  # torch engine
+    int4_head: str = "int8"  # small steps read half the head's bytes: one draft step 12.5 -> 10.7 ms (BENCHMARKS §6f)
     model: str = DEFAULT_DRAFT_MODEL
     cpu_cores: str = "1"
     admission_wait_s: float = 0.0  # a full draft does not queue: the request runs target-only

@@ -12,7 +12,8 @@ Pinned: transformers 5.24 on this machine (the GPU image has 5.17). Decisions:
 torch's private int4 weight-only matmul for CPU (`torch._weight_int4pack_mm_for_cpu`, the
 kernel gpt-fast and torchao use on CPU) is also wrapped here: pinned torch 2.13; it takes
 bf16 activations only (fp32 runs a reference path ~30x slower), and the CUDA op packs
-differently, so `int4_pack`/`int4_matmul` are CPU-only.
+differently, so `int4_pack`/`int4_matmul` are CPU-only. Its int8 sibling
+(`torch._weight_int8pack_mm`, per-row scales, bf16 activations) is `int8_matmul`.
 
 compressed-tensors (pinned 0.20.0; the format llm-compressor writes and transformers and vLLM
 load) is used for INT4 AWQ checkpoints: its quantization grid (`calculate_qparams`,
@@ -111,7 +112,7 @@ def chat_text(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-# -- torch's private int4 ops (CPU) -----------------------------------------------------------------
+# -- torch's private int4 / int8 weight-only ops (CPU) -----------------------------------------------------------------
 def int4_pack(codes: torch.Tensor) -> torch.Tensor:
     """codes [out, in] int32 in 0..15 -> torch's packed CPU int4 layout (opaque)."""
     return torch._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -121,6 +122,12 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros:
     """x [T, in] bf16 @ the packed weight, w = (q - 8) * scale + zero per group of `group` rows
     of `in`; scales_zeros [in/group, out, 2] bf16 -> [T, out] bf16."""
     return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [T, in] bf16 @ an int8 weight stored [out, in], w = code * scale per output row;
+    scales [out] bf16 -> [T, out] bf16 (torch's private weight-only int8 op)."""
+    return torch._weight_int8pack_mm(x, codes, scales)
 
 
 # -- compressed-tensors (INT4 W4A16 checkpoints: specdec/awq.py writes them, the paged runner reads them) --

@@ -9,8 +9,8 @@ import torch
 from specdec import hf_compat
 from specdec.serving.batch import SeqChunk, StepAborted
 from specdec.serving.graphs import GraphConfig, eager_capture
-from specdec.serving.int4 import GROUP, Int4Weight
-from specdec.serving.paged_llama import PagedLlamaRunner, supports
+from specdec.serving.int4 import GROUP, Int4Weight, Int8Weight
+from specdec.serving.paged_llama import SMALL_HEAD_ROWS, PagedLlamaRunner, supports
 
 VOCAB = 128
 ATOL = 1e-4
@@ -334,6 +334,46 @@ def test_int4_runner_is_close_to_fp32_and_batches():
     got_a, got_b = r4.forward([SeqChunk(sa, a, 0, len(a)), SeqChunk(sb, b[5:], 5, 8)])
     torch.testing.assert_close(got_a, alone, atol=0.05, rtol=0)
     assert got_b.shape == (8, VOCAB)
+
+
+def test_int8_head_is_within_half_a_level_and_serves_the_small_steps():
+    """Int8Weight: every weight within half its row's level of the original (and the bf16
+    rounding of the scale), the matmul is the dequantized matrix's. int4_head = int8 adds an
+    int8 copy of the head of half the bf16 head's bytes: steps of at most SMALL_HEAD_ROWS logit
+    rows use it (logits near the bf16 head's, not equal), larger ones the bf16 head (equal);
+    an unknown head precision is refused."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 80)  # [in, out]
+    iw = Int8Weight.quantize(w)
+    assert iw.codes.dtype == torch.int8 and (iw.in_features, iw.out_features) == (48, 80)
+    level = w.abs().amax(0) / 127  # [out]: one level per output row
+    # half a level, plus what bf16's rounding of the scale (at most 2^-8 of it) moves a code
+    assert bool(((iw.dequantize() - w).abs() <= level / 2 + w.abs() * 2**-8 + 1e-6).all())
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    torch.testing.assert_close(iw.matmul(x).float(), x.float() @ iw.dequantize(), atol=0.05, rtol=0.02)
+
+    model = tiny_model("llama")
+    bf16_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True)
+    int8_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, int4_head="int8")
+    assert bf16_head.weights.small_head is None
+    small = int8_head.weights.small_head
+    assert isinstance(small, Int8Weight) and small.codes.nbytes == bf16_head.weights.lm_head.nbytes // 2
+    assert int8_head.facts.weight_bytes == bf16_head.facts.weight_bytes + small.codes.nbytes + small.scales.nbytes
+    tokens = rand_tokens(random.Random(3), 17)
+    for rows in (1, SMALL_HEAD_ROWS, SMALL_HEAD_ROWS + 1, len(tokens)):
+        got = []
+        for r in (bf16_head, int8_head):
+            seq = r.blocks.reserve(20)
+            (logits,) = r.forward([SeqChunk(seq, tokens, 0, rows)])
+            r.free(seq)
+            got.append(logits.float())
+        if rows <= SMALL_HEAD_ROWS:
+            assert not torch.equal(got[0], got[1])
+            assert float((got[1] - got[0]).norm() / got[0].norm()) < 0.02
+        else:
+            torch.testing.assert_close(got[1], got[0], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="int4_head"):
+        PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True, int4_head="int2")
 
 
 # ------------------------------------------------------------------------------------

@@ -21,12 +21,14 @@ class Variant:
     name: str
     engine: str  # torch | llamacpp
     precision: str  # torch dtype, or a GGUF type ("" = as shipped)
+    int4_head: str = "int8"  # torch int4: the output head (int8 as the draft service builds it, or bfloat16)
 
 
 VARIANTS = {
     "torch-fp32": Variant("torch-fp32", "torch", "float32"),
     "torch-bf16": Variant("torch-bf16", "torch", "bfloat16"),
     "torch-int4": Variant("torch-int4", "torch", "int4"),
+    "torch-int4-bf16-head": Variant("torch-int4-bf16-head", "torch", "int4", "bfloat16"),
     "llamacpp-f32": Variant("llamacpp-f32", "llamacpp", "f32"),
     "llamacpp-f16": Variant("llamacpp-f16", "llamacpp", "f16"),
     "llamacpp-q8_0": Variant("llamacpp-q8_0", "llamacpp", "q8_0"),
@@ -40,7 +42,7 @@ def load(v: Variant, model: str, seqs: int):
     from specdec.serving.runners import load_runner
 
     cfg = ModelServiceConfig(engine=v.engine, model=model, dtype=v.precision if v.engine == "torch" else "float32",
-                             gguf_type=v.precision if v.engine == "llamacpp" else "",
+                             gguf_type=v.precision if v.engine == "llamacpp" else "", int4_head=v.int4_head,
                              kv_pool_tokens=seqs * 512, max_sessions=seqs)
     return load_runner(cfg, "cpu")
 

@@ -72,3 +72,35 @@ class Int4Weight:
 
     def storages(self) -> list[torch.Tensor]:
         return [self.packed, self.scales_zeros]
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """An output head in 8 bits: each output row (one vocabulary entry) symmetric, w = code * scale,
+    codes in -127..127, scale in bf16. Half the bytes of bf16: the int4 draft's one-token step
+    reads its 49,152 x 576 head in 1.6 ms instead of 3.5; from about 8 rows bf16 is faster
+    (paged_llama.SMALL_HEAD_ROWS)."""
+
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] bf16
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Int8Weight":
+        """w [in, out] (any float dtype) -> 8-bit codes per output row."""
+        rows = w.detach().float().t()  # [out, in]
+        scales = (rows.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
+        codes = torch.round(rows / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8).contiguous()  # [out, in]
+        return cls(codes, scales.to(torch.bfloat16), rows.shape[1], rows.shape[0])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] bf16 -> [T, out] bf16."""
+        return hf_compat.int8_matmul(x, self.codes, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [in, out] float32 matrix this stands for (tests)."""
+        return (self.codes.float() * self.scales.float().unsqueeze(1)).t()  # [in, out]
+
+    def storages(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales]

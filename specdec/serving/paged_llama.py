@@ -33,8 +33,10 @@ max_context = min(config.max_position_embeddings, pool capacity): a sequence can
 hold more tokens than the pool has slots.
 
 Precision `int4` (CPU): the decoder layers' matmul weights (QKV, O, gate/up, down) are
-4-bit `Int4Weight`s (specdec.serving.int4), everything else (embedding, output head, norms,
-RoPE tables, activations, the KV pool) bf16. It is for drafts: a token costs a third of fp32.
+4-bit `Int4Weight`s (specdec.serving.int4); the output head bf16, and with `int4_head = "int8"`
+(the draft's default) also an 8-bit copy (`Int8Weight`) for steps of at most SMALL_HEAD_ROWS
+logit rows, where reading half the bytes wins; everything else (embedding, norms, RoPE tables,
+activations, the KV pool) bf16. It is for drafts: a token costs a third of fp32.
 """
 from __future__ import annotations
 
@@ -49,15 +51,19 @@ from specdec.devices import kv_pool_tokens_for_memory
 from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving.blocks import BlockManager
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
-from specdec.serving.int4 import Int4Weight
+from specdec.serving.int4 import Int4Weight, Int8Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE variants whose frequencies depend on the current sequence length: not a position table
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT4 = "int4"  # 4-bit weights, bf16 activations (CPU)
+INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
+# the int8 head serves steps of at most this many logit rows: one core, 49,152 x 576, ms per head
+# matmul int8 / bf16 at 1, 2, 4, 6, 8, 16 rows: 1.6/3.5, 1.7/3.4, 2.1/4.4, 3.2/3.7, 3.5/4.1, 7.5/5.0
+SMALL_HEAD_ROWS = 4
 PRECISIONS = (*_DTYPES, INT4)
-Matrix = torch.Tensor | Int4Weight  # a weight used as x @ w: [in, out]
+Matrix = torch.Tensor | Int4Weight | Int8Weight  # a weight used as x @ w: [in, out]
 
 
 # ----------------------------------------------------------------------------------------
@@ -111,14 +117,16 @@ class Weights:
     lm_head: Matrix  # [hidden, V]
     cos: torch.Tensor  # [max_context, D]
     sin: torch.Tensor  # [max_context, D]
+    small_head: Int8Weight | None = None  # [hidden, V] in int8, for steps of <= SMALL_HEAD_ROWS logit rows
 
     def nbytes(self) -> int:
         """Bytes of the model weights (each storage once; RoPE tables not counted)."""
-        parts = [self.embed, self.final_norm, self.lm_head]
+        parts = [self.embed, self.final_norm, self.lm_head, self.small_head]
         for lw in self.layers:
             parts += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, lw.o, lw.o_bias, lw.post_norm, lw.gate_up,
                       lw.gate_up_bias, lw.down, lw.down_bias]
-        tensors = [t for p in parts if p is not None for t in (p.storages() if isinstance(p, Int4Weight) else [p])]
+        tensors = [t for p in parts if p is not None
+                   for t in (p.storages() if isinstance(p, (Int4Weight, Int8Weight)) else [p])]
         seen: dict[int, int] = {}
         for t in tensors:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -162,7 +170,7 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in], w [in, out], bias [out] -> [T, out]."""
-    if isinstance(w, Int4Weight):
+    if isinstance(w, (Int4Weight, Int8Weight)):
         y = w.matmul(x)  # [T, out]
         return y if bias is None else y + bias
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x, w)  # [T, out]
@@ -238,9 +246,12 @@ FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o
 MakeInt4 = Callable[[int, str, torch.Tensor], Int4Weight]  # (layer, fused name, the [in, out] matrix)
 
 
-def quantize_int4(w: Weights, make: MakeInt4 = lambda _layer, _name, m: Int4Weight.quantize(m)) -> Weights:
+def quantize_int4(w: Weights, make: MakeInt4 = lambda _layer, _name, m: Int4Weight.quantize(m),
+                  head_dtype: str = "bfloat16") -> Weights:
     """The `int4` precision: 4-bit matmul weights (`make`: by default each float32 matrix quantized
-    on the Q4_1 grid), bf16 for the rest."""
+    on the Q4_1 grid), the output head in `head_dtype` (bfloat16 | int8), bf16 for the rest."""
+    if head_dtype not in INT4_HEADS:
+        raise ValueError(f"int4_head must be one of {', '.join(INT4_HEADS)}, got {head_dtype!r}")
     def bf16(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(torch.bfloat16)
 
@@ -250,16 +261,19 @@ def quantize_int4(w: Weights, make: MakeInt4 = lambda _layer, _name, m: Int4Weig
                            gate_up_bias=bf16(lw.gate_up_bias), down=make(i, "down", lw.down),
                            down_bias=bf16(lw.down_bias), window=lw.window)
               for i, lw in enumerate(w.layers)]
-    # the output head stays bf16: it is not on a 4-bit grid in the shipped GGUF, and in 4 bits the
+    # the output head is not 4-bit: it is not on a 4-bit grid in the shipped GGUF, and in 4 bits the
     # default draft agreed with its fp32 self on 95.8% of next tokens of a 200-token text (bf16
-    # head: 99.4%; int8: 98.2%; a one-off check). Kept [V, hidden] and used through a transposed
-    # view: one row cost 3.6 ms against 5.1 as [hidden, V] (oneDNN, one core, one-off);
-    # when the model ties them, it is also the embedding.
+    # head: 99.4%; a one-off check). In bf16 it is kept [V, hidden] and used through a transposed
+    # view: one row cost 3.6 ms against 5.1 as [hidden, V] (oneDNN, one core, one-off); when the
+    # model ties them, it is also the embedding. An int8 copy (per vocabulary row) reads half the
+    # bytes: for small steps the draft's step falls 12.1 -> 10.2 ms, its top-1 agreement with the
+    # fp32 target 97.9% -> 97.5% (BENCHMARKS.md §6f); bf16 stays faster from about 8 rows.
     head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
     tied = w.embed.data_ptr() == w.lm_head.data_ptr()
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]
+    small_head = Int8Weight.quantize(w.lm_head) if head_dtype == "int8" else None
     return Weights(embed=embed, layers=layers, final_norm=bf16(w.final_norm), lm_head=head.t(),
-                   cos=bf16(w.cos), sin=bf16(w.sin))
+                   cos=bf16(w.cos), sin=bf16(w.sin), small_head=small_head)
 
 
 def stored_int4(directory, group: int, symmetric: bool) -> MakeInt4:
@@ -427,7 +441,8 @@ def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, sto
                           pool.block_size)  # [T, hidden]
     h = x.index_select(0, inputs.logit_rows)  # [R, hidden]
     h = rms_norm(h, weights.final_norm, arch.eps)  # [R, hidden]
-    return linear(h, weights.lm_head)  # [R, V]
+    small = weights.small_head is not None and h.shape[0] <= SMALL_HEAD_ROWS
+    return linear(h, weights.small_head if small else weights.lm_head)  # [R, V]
 
 
 # ----------------------------------------------------------------------------------------
@@ -473,11 +488,12 @@ class PagedLlamaRunner:
     @classmethod
     def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
              block_size: int = 16, max_seqs: int = 64, memory_share_bytes: int = 0,
-             activation_reserve: float = 0.1) -> "PagedLlamaRunner":
+             activation_reserve: float = 0.1, int4_head: str = "bfloat16") -> "PagedLlamaRunner":
         """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up),
         or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
         `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
-        dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring)."""
+        dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring), whose output
+        head is `int4_head` (bfloat16 | int8)."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
         if dtype == INT4 and torch.device(device).type != "cpu":
@@ -496,22 +512,24 @@ class PagedLlamaRunner:
         num_blocks = max(1, -(-pool_tokens // block_size))
         return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
                           num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4,
-                          int4_make=stored_int4(src.directory, *stored) if stored else None)
+                          int4_make=stored_int4(src.directory, *stored) if stored else None, int4_head=int4_head)
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
-                      block_size: int = 16, max_seqs: int = 64, int4: bool = False) -> "PagedLlamaRunner":
+                      block_size: int = 16, max_seqs: int = 64, int4: bool = False,
+                      int4_head: str = "bfloat16") -> "PagedLlamaRunner":
         """Build from a loaded HF model (left intact); without a tokenizer the fingerprint is vocab-V.
         int4: quantize a float32 model's matmul weights to 4 bits (module docstring)."""
         vocab = int(model.get_output_embeddings().weight.shape[0])
         fingerprint = models.tokenizer_fingerprint(tokenizer) if tokenizer is not None else f"vocab-{vocab}"
         eos = models.eos_token_ids(tokenizer, model.config) if tokenizer is not None else []
-        return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=False, int4=int4)
+        return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=False, int4=int4,
+                          int4_head=int4_head)
 
     @classmethod
     def _build(cls, model, spec: str, fingerprint: str, eos: list[int], num_blocks: int, block_size: int,
-               max_seqs: int, consume: bool, int4: bool = False, int4_make: MakeInt4 | None = None
-               ) -> "PagedLlamaRunner":
+               max_seqs: int, consume: bool, int4: bool = False, int4_make: MakeInt4 | None = None,
+               int4_head: str = "bfloat16") -> "PagedLlamaRunner":
         if not supports(model.config):
             raise ValueError(f"PagedLlamaRunner does not support model_type={model.config.model_type!r} "
                              f"(rope {hf_compat.rope_type(model.config)!r}); use the transformers runner")
@@ -523,11 +541,11 @@ class PagedLlamaRunner:
         with torch.inference_mode():
             weights = extract_weights(model, arch, consume=consume)
             if int4 and int4_make is not None:  # a stored INT4 checkpoint: its own codes
-                weights, dtype = quantize_int4(weights, int4_make), torch.bfloat16
+                weights, dtype = quantize_int4(weights, int4_make, int4_head), torch.bfloat16
             elif int4:
                 if dtype != torch.float32:
                     raise ValueError(f"int4 quantizes a float32 model, got {dtype}")
-                weights, dtype = quantize_int4(weights), torch.bfloat16
+                weights, dtype = quantize_int4(weights, head_dtype=int4_head), torch.bfloat16
             pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block
         dtype_name = INT4 if int4 else {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
         facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,
