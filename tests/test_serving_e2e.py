@@ -211,7 +211,7 @@ def rss(stack: Stack) -> dict[str, float]:
 
 def test_memory_is_flat_over_500_requests(default_stack, prompts):
     addr = default_stack.address("orchestrator")
-    jobs = [(f"{i}", prompts[i % len(prompts)][1][:96], LABELS[i % 3]) for i in range(500)]
+    jobs = [(f"{i}", prompts[i % len(prompts)][1][:32], LABELS[i % 3]) for i in range(500)]  # short prompts: 500 requests, not long prefills
     run_concurrently(addr, jobs[:50], max_tokens=8)
     after_50 = rss(default_stack)
     run_concurrently(addr, jobs[50:], max_tokens=8)
