@@ -84,7 +84,7 @@ class DraftConfig(ModelServiceConfig):
     # shipped Q4_1 GGUF (AVX2-only CPUs): devices.default_draft_engine, README "Choosing the defaults"
     engine: str = field(default_factory=default_draft_engine)
     dtype: str = "int4"  # torch engine
-    int4_head: str = "int8"  # small steps read half the head's bytes: one draft step 12.5 -> 10.7 ms (BENCHMARKS §6f)
+    int4_head: str = "int8"  # small steps read half the head's bytes: 1.8 ms a head matmul against 4.3 (BENCHMARKS §6f)
     model: str = DEFAULT_DRAFT_MODEL
     cpu_cores: str = "1"
     admission_wait_s: float = 0.0  # a full draft does not queue: the request runs target-only

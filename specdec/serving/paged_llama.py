@@ -60,10 +60,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 INT4 = "int4"  # 4-bit weights, bf16 activations (CPU)
 INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
 # the int8 head serves steps of at most this many logit rows: one core, 49,152 x 576, ms per head
-# matmul int8 / bf16 at 1, 2, 4, 6, 8, 16 rows: 1.6/3.5, 1.7/3.4, 2.1/4.4, 3.2/3.7, 3.5/4.1, 7.5/5.0
+# matmul int8 / bf16 at 1, 2, 4, 6, 8, 16 rows: 1.8/4.3, 1.6/3.8, 1.9/3.8, 3.6/4.2, 3.8/4.3, 7.5/5.4
+# (scripts/int8_head_probe.py)
 SMALL_HEAD_ROWS = 4
 PRECISIONS = (*_DTYPES, INT4)
 Matrix = torch.Tensor | Int4Weight | Int8Weight  # a weight used as x @ w: [in, out]
+QUANTIZED = (Int4Weight, Int8Weight)  # the Matrix kinds with their own matmul and storages
 
 
 # ----------------------------------------------------------------------------------------
@@ -126,7 +128,7 @@ class Weights:
             parts += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, lw.o, lw.o_bias, lw.post_norm, lw.gate_up,
                       lw.gate_up_bias, lw.down, lw.down_bias]
         tensors = [t for p in parts if p is not None
-                   for t in (p.storages() if isinstance(p, (Int4Weight, Int8Weight)) else [p])]
+                   for t in (p.storages() if isinstance(p, QUANTIZED) else [p])]
         seen: dict[int, int] = {}
         for t in tensors:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -170,7 +172,7 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in], w [in, out], bias [out] -> [T, out]."""
-    if isinstance(w, (Int4Weight, Int8Weight)):
+    if isinstance(w, QUANTIZED):
         y = w.matmul(x)  # [T, out]
         return y if bias is None else y + bias
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x, w)  # [T, out]
@@ -266,8 +268,8 @@ def quantize_int4(w: Weights, make: MakeInt4 = lambda _layer, _name, m: Int4Weig
     # head: 99.4%; a one-off check). In bf16 it is kept [V, hidden] and used through a transposed
     # view: one row cost 3.6 ms against 5.1 as [hidden, V] (oneDNN, one core, one-off); when the
     # model ties them, it is also the embedding. An int8 copy (per vocabulary row) reads half the
-    # bytes: for small steps the draft's step falls 12.1 -> 10.2 ms, its top-1 agreement with the
-    # fp32 target 97.9% -> 97.5% (BENCHMARKS.md §6f); bf16 stays faster from about 8 rows.
+    # bytes (1.8 ms against 4.3 for a row), the draft's top-1 agreement with the fp32 target
+    # 98.0% -> 97.2% (BENCHMARKS.md §6f); bf16 stays faster from about 8 rows.
     head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
     tied = w.embed.data_ptr() == w.lm_head.data_ptr()
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]
