@@ -188,23 +188,30 @@ def test_a_draft_killed_mid_request_is_replaced_by_the_other_draft_replica(repli
     replica (it re-attaches within a probe interval); output unchanged."""
     stack = replicas
     stack.wait_ready(120)
-    with Client(stack.address("orchestrator"), timeout=120) as c:
-        reference = c.complete(token_ids=PROMPT, max_tokens=400, ignore_eos=True, mode="target-only").token_ids
-        tokens, rounds, killed_at = [], [], None
-        for i, chunk in enumerate(c.generate(token_ids=PROMPT, max_tokens=400, ignore_eos=True, mode=mode, k=4)):
-            tokens += chunk.token_ids
-            if chunk.HasField("round"):
-                rounds.append(chunk.round)
-            if i == 5:
-                victim = serving(stack, "draft")
-                stack.stop_service(victim, signal.SIGKILL)
-                killed_at = len(rounds)
-    assert tokens == reference
-    after = rounds[killed_at:]
-    assert any(not r.draft_available for r in after), "the kill went unnoticed: the test tested nothing"
-    assert after[-1].draft_available and after[-1].k > 0, "no draft replica took over"
-    stack.start_service(victim)
-    stack.wait_ready(120, [victim])
+    victim = None
+    try:
+        with Client(stack.address("orchestrator"), timeout=120) as c:
+            reference = c.complete(token_ids=PROMPT, max_tokens=400, ignore_eos=True, mode="target-only").token_ids
+            tokens, rounds, killed_at = [], [], None
+            for i, chunk in enumerate(c.generate(token_ids=PROMPT, max_tokens=400, ignore_eos=True, mode=mode, k=4)):
+                tokens += chunk.token_ids
+                if chunk.HasField("round"):
+                    rounds.append(chunk.round)
+                if i == 5:
+                    victim = serving(stack, "draft")
+                    stack.stop_service(victim, signal.SIGKILL)
+                    killed_at = len(rounds)
+        assert tokens == reference
+        after = rounds[killed_at:]
+        outage = next((i for i, r in enumerate(after) if not r.draft_available), None)
+        assert outage is not None, "the kill went unnoticed: the test tested nothing"
+        # the last round may carry k = 0 (one token left: k is capped at remaining - 1), so ask
+        # for any drafting round after the outage, not specifically the last one
+        assert any(r.draft_available and r.k > 0 for r in after[outage:]), "no draft replica took over"
+    finally:
+        if victim is not None:  # the next tests need both draft replicas, whatever happened here
+            stack.start_service(victim)
+            stack.wait_ready(120, [victim])
     g = wait_all_zero(stack, 2.0)
     assert not any(g.values()), g
 
