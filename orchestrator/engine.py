@@ -57,6 +57,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     k: int = 0  # 0 = the server's default
     mode: Mode | None = None  # None = the server's default
+    adaptive_k: bool | None = None  # choose each round's k (at most k); None = the server's default
     deadline: float | None = None  # time.monotonic() when the client's time is up
 
 
@@ -317,6 +318,7 @@ class Orchestrator:
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= t.vocab_size:
             raise InvalidArgument(f"prompt token ids must be in [0, {t.vocab_size})")
         req.k = req.k or c.default_k
+        req.adaptive_k = c.adaptive_k if req.adaptive_k is None else bool(req.adaptive_k)
         if not 1 <= req.k <= c.max_k:
             raise InvalidArgument(f"k must be in [1, {c.max_k}], got {req.k}")
         req.mode = self.default_mode if req.mode is None else req.mode
@@ -492,7 +494,7 @@ class Orchestrator:
         with adaptive_k, the k that the measured costs and this request's acceptance say is best."""
         room = self.backends.target.max_context - len(run.committed) - 1
         k_max = max(0, min(self._k_under_load(run), run.remaining - 1, room))
-        if not self.config.adaptive_k or run.draft is None:
+        if not run.req.adaptive_k or run.draft is None:
             return k_max
         return self.costs.choose(run.req.mode, k_max, run.history, run.rounds_without)
 
@@ -515,7 +517,7 @@ class Orchestrator:
         room = self.backends.target.max_context - len(run.committed) - 1
         n = len(drafts.tokens)
         # the next round's k as it would be chosen now (a hit's drafts are cut to the k chosen then)
-        next_k = self._round_k(run) if self.config.adaptive_k else self._k_under_load(run)
+        next_k = self._round_k(run) if run.req.adaptive_k else self._k_under_load(run)
         spec_k = min(next_k + 1, run.remaining - n - 1, room - n - 1)
         if run.req.mode != Mode.PIPELINED or run.draft is None or not drafts.tokens or spec_k <= 0:
             return None

@@ -109,6 +109,7 @@ class SpecDecServicer(specdec_pb2_grpc.SpecDecServicer, Servicer):
             ignore_eos=req.ignore_eos,
             k=req.k,
             mode=Mode(req.mode) if req.mode else None,
+            adaptive_k=req.adaptive_k if req.HasField("adaptive_k") else None,
             deadline=None if left is None else time.monotonic() + left,
         )
 

@@ -100,7 +100,8 @@ def cmd_generate(a) -> int:
 
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
               stop=a.stop or (), ignore_eos=a.ignore_eos, k=a.k or 0, mode=a.mode,
-              draft_temperature=a.draft_temperature, draft_top_k=a.draft_top_k, draft_top_p=a.draft_top_p)
+              draft_temperature=a.draft_temperature, draft_top_k=a.draft_top_k, draft_top_p=a.draft_top_p,
+              adaptive_k=a.adaptive_k)
     if a.raw:
         kw["text"] = a.prompt
         prompt = None
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--k", type=int, help="draft length (default: the server's)")
     g.add_argument("--mode", choices=["pipelined", "sequential", "target-only"])
+    g.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose each round's k (at most --k) from measured costs and acceptance "
+                        "(default: the server's orchestrator.adaptive_k)")
     g.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")

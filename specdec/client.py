@@ -55,7 +55,7 @@ def build_request(prompt: str | None = None, *, text: str | None = None, message
                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                   stop: Sequence[str] = (), ignore_eos: bool = False, k: int = 0, mode: str | int | None = None,
                   draft_temperature: float | None = None, draft_top_k: int | None = None,
-                  draft_top_p: float | None = None) -> specdec_pb2.GenerateRequest:
+                  draft_top_p: float | None = None, adaptive_k: bool | None = None) -> specdec_pb2.GenerateRequest:
     given = [x is not None for x in (prompt, text, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, text, messages or token_ids")
@@ -70,6 +70,8 @@ def build_request(prompt: str | None = None, *, text: str | None = None, message
         req.token_ids.ids.extend(int(t) for t in token_ids)
     if seed is not None:
         req.seed = seed
+    if adaptive_k is not None:  # unset = the server's orchestrator.adaptive_k
+        req.adaptive_k = adaptive_k
     if isinstance(mode, str):
         req.mode = Mode.parse(mode)
     elif mode is not None:

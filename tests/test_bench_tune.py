@@ -66,7 +66,10 @@ def test_study_report_from_hand_made_measurements(tmp_path):
     assert set(groups) == {"tiny-draft", "ngram"}
     ids = {c.id for c in groups["tiny-draft"]}
     assert {"tiny-draft/target-only", "tiny-draft/pipelined/k1", "tiny-draft/sequential/k4",
-            "tiny-draft/pipelined/k2/T1/dT0.6", "tiny-draft/pipelined/k4"} <= ids
+            "tiny-draft/pipelined/k2/T1/dT0.6", "tiny-draft/pipelined/k4", "tiny-draft/pipelined/k2/adaptive",
+            "tiny-draft/sequential/k2/adaptive", "tiny-draft/pipelined/k2/T1/dT-",
+            "tiny-draft/pipelined/k2/adaptive/T1/dT-"} <= ids
+    assert "tiny-draft/pipelined/k2/adaptive/T0/dT-" not in ids  # greedy adaptive is the k sweep's row
     assert {c.id for c in groups["ngram"]} == {"ngram/target-only", "ngram/pipelined/k2", "ngram/sequential/k2",
                                                "ngram/sequential/k4"}
     prompts = [TokenizedPrompt("p0", "chat", [1, 2], "p0"), TokenizedPrompt("p1", "code", [3], "p1")]
@@ -84,8 +87,10 @@ def test_study_report_from_hand_made_measurements(tmp_path):
     cell = doc["cells"]["tiny-draft/sequential/k2"]
     assert cell["all"]["acceptance_rate"] == pytest.approx(0.5)
     assert cell["by_length"]["16"]["tok_s"]["n"] == a.runs
-    assert {(r["mode"], r["k"]) for r in doc["ksweep"]} == {(m, k) for m in ("pipelined", "sequential")
-                                                            for k in (1, 2, 4)}
+    assert {(r["mode"], r["k"], r["adaptive"]) for r in doc["ksweep"]} == {
+        (m, k, False) for m in ("pipelined", "sequential") for k in (1, 2, 4)} | {
+        (m, 2, True) for m in ("pipelined", "sequential")}
+    assert not any("adaptive" in ib["cell"] for ib in doc["ideal"])  # the bound is per fixed k
     assert set(doc["positions"]["by_workload"]) == {"chat", "code"}
     assert len(doc["positions"]["by_workload"]["chat"]["acceptance_by_position"]) == 4
     assert [r["draft"] for r in doc["draft_comparison"]] == ["tiny-draft", "ngram"]
@@ -95,6 +100,7 @@ def test_study_report_from_hand_made_measurements(tmp_path):
     for section in ("## k sweep", "## Ideal bound", "## Time per round", "## Drafts", "## Target × draft",
                     "## Acceptance by draft position"):
         assert section in md
+    assert "| pipelined | adaptive (≤ 2) |" in md and "| 1 | = target, adaptive k (≤ 2) |" in md
 
 
 # -- end to end, real services on tiny models ----------------------------------------------------
@@ -146,7 +152,8 @@ def test_study_end_to_end_tiny(tmp_path, monkeypatch):
     assert rows["torch-fp32"]["modes"]["sequential"]["acceptance_rate"] > 0.9
     assert {(ib["mode"], ib["k"]) for ib in doc["ideal"]} >= {("pipelined", 1), ("sequential", 2)}
     assert all(ib["ideal_tok_s"] > 0 and ib["efficiency"] > 0 for ib in doc["ideal"])
-    assert {(g["temperature"], g["draft_temperature"]) for g in doc["temperature_grid"]} == {(0.0, 0.6), (1.0, 0.6)}
+    assert {(g["temperature"], g["draft_temperature"], g["adaptive"]) for g in doc["temperature_grid"]} == {
+        (0.0, 0.6, False), (1.0, 0.6, False), (1.0, None, False), (1.0, None, True)}
 
 
 @pytest.mark.slow

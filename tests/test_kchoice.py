@@ -104,3 +104,21 @@ def test_a_perfect_draft_keeps_the_full_k(mode):
     assert tokens == reference(PROMPT, 120)
     assert all(r.k == 6 for r in rounds[1:-2]), [r.k for r in rounds]
     assert V  # the fake world's vocabulary (imported with it)
+
+
+@pytest.mark.parametrize("server_default", [False, True])
+def test_a_request_turns_adaptive_k_on_or_off_over_the_servers_default(server_default):
+    # a useless draft: adaptive k stops drafting (k = 0 rounds); fixed k drafts the full k every round
+    config = OrchestratorConfig(probe_interval_s=0.0, adaptive_k=server_default)
+    for asked in (None, not server_default):
+        w = World(wrong_at=set(range(5, 400)), verify_s=0.002, draft_s=0.002)
+        tokens, rounds, _ = run(w, SEQ, n=80, k=8, config=config, adaptive_k=asked)
+        assert tokens == reference(PROMPT, 80)
+        adaptive = server_default if asked is None else asked
+        late = [r.k for r in rounds[len(rounds) // 2:]]
+        if adaptive:
+            assert late.count(0) > 0.5 * len(late), (asked, late)
+        else:
+            # the full k, clipped only by what is left (k <= remaining - 1) in the last rounds
+            assert all(k == 8 for k in late[:-8]) and 0 not in late[:-1], (asked, late)
+        assert closed_everything(w)

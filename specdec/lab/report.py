@@ -77,10 +77,11 @@ def study_markdown(res: dict) -> str:
         if base:
             L.append("| target-only | | " + " | ".join(_fmt_spread(base["by_length"][x]["tok_s"]) for x in lengths)
                      + " | " + " | ".join(["1.00×"] * len(lengths)) + " | | |")
-        for row in sorted(res["ksweep"], key=lambda r: (r["mode"], r["k"])):
+        for row in sorted(res["ksweep"], key=lambda r: (r["mode"], r.get("adaptive", False), r["k"])):
             c = cells[row["cell"]]
             sp = speedups(c, base)
-            L.append(f"| {c['mode']} | {c['k']} | " + " | ".join(_fmt_spread(c["by_length"][x]["tok_s"])
+            k = f"adaptive (≤ {c['k']})" if c.get("adaptive") else c["k"]
+            L.append(f"| {c['mode']} | {k} | " + " | ".join(_fmt_spread(c["by_length"][x]["tok_s"])
                                                                  for x in lengths)
                      + " | " + " | ".join(_fmt_ratio(sp.get(x, {})) for x in lengths)
                      + f" | {c['all']['acceptance_rate']:.3f} | {c['all']['mean_accepted_tokens']:.2f} |")
@@ -132,7 +133,9 @@ def study_markdown(res: dict) -> str:
         for row in res["temperature_grid"]:
             c = cells[row["cell"]]
             sp = speedups(c, base)
-            L.append(f"| {c['temperature']:g} | {c['draft_temperature']:g} | {c['all']['acceptance_rate']:.3f} | "
+            dt = "= target" if c["draft_temperature"] is None else f"{c['draft_temperature']:g}"
+            dt += f", adaptive k (≤ {c['k']})" if c.get("adaptive") else ""
+            L.append(f"| {c['temperature']:g} | {dt} | {c['all']['acceptance_rate']:.3f} | "
                      f"{c['all']['mean_accepted_tokens']:.2f} | "
                      + " | ".join(_fmt_spread(c["by_length"][x]["tok_s"]) for x in lengths) + " | "
                      + " | ".join(_fmt_ratio(sp.get(x, {})) for x in lengths) + " |")
@@ -190,9 +193,14 @@ def write_plots(out: Path, res: dict) -> list[str]:
         base = cells.get(res["baseline_cell"])
         styles = ["-", "--", "-.", ":"]
         for n, mode in enumerate(st["modes"]):
-            rows = sorted((cells[r["cell"]] for r in res["ksweep"] if r["mode"] == mode), key=lambda c: c["k"])
+            rows = sorted((cells[r["cell"]] for r in res["ksweep"] if r["mode"] == mode and not r.get("adaptive")),
+                          key=lambda c: c["k"])
+            auto = [cells[r["cell"]] for r in res["ksweep"] if r["mode"] == mode and r.get("adaptive")]
             ks = [c["k"] for c in rows]
             for j, L in enumerate(lengths):
+                for c in auto:  # adaptive k: one star at its cap
+                    axes[0].plot([c["k"]], [c["by_length"][L]["tok_s"]["median"]], marker="*", markersize=12,
+                                 color=f"C{n}", linestyle="none", label=f"{mode} adaptive k (≤ {c['k']}) L={L}")
                 med = [c["by_length"][L]["tok_s"]["median"] for c in rows]
                 lo = [m - c["by_length"][L]["tok_s"]["min"] for m, c in zip(med, rows)]
                 hi = [c["by_length"][L]["tok_s"]["max"] - m for m, c in zip(med, rows)]

@@ -82,20 +82,21 @@ class Cell:
     k: int
     temperature: float | None = None  # None = greedy
     draft_temperature: float | None = None  # None = the server's default
+    adaptive: bool = False  # adaptive k: each round's k chosen (at most k) by the orchestrator
     studies: set = field(default_factory=set)
 
     @property
     def id(self) -> str:
         s = f"{self.draft}/{self.mode}"
         if self.mode != Mode.TARGET_ONLY.label:
-            s += f"/k{self.k}"
+            s += f"/k{self.k}" + ("/adaptive" if self.adaptive else "")
         if self.temperature is not None or self.draft_temperature is not None:
             s += f"/T{_t(self.temperature)}/dT{_t(self.draft_temperature)}"
         return s
 
     def to_json(self) -> dict:
         return {"id": self.id, "draft": self.draft, "mode": self.mode, "k": self.k, "temperature": self.temperature,
-                "draft_temperature": self.draft_temperature, "studies": sorted(self.studies)}
+                "draft_temperature": self.draft_temperature, "adaptive": self.adaptive, "studies": sorted(self.studies)}
 
 
 def _t(v) -> str:
@@ -124,7 +125,7 @@ def measure_group(live: LiveStack, cells: list[Cell], prompts: list[TokenizedPro
                 for i, p in enumerate(prompts):
                     sampled = cell.temperature is not None or cell.draft_temperature is not None
                     rec = live.request(p, length, cell.mode, max(cell.k, 1), cell.temperature, cell.draft_temperature,
-                                       request_seed(seed, i, run) if sampled else None)
+                                       request_seed(seed, i, run) if sampled else None, adaptive_k=cell.adaptive)
                     rec.update(cell=cell.id, length=length, run=run)
                     records.append(rec)
                     if not separate_lengths:
@@ -165,8 +166,8 @@ def plan_cells(a, default: str, drafts: list[str]) -> dict[str, list[Cell]]:
     ks = parse_int_ranges(a.ks)
     cells: dict[str, dict[str, Cell]] = {}
 
-    def add(draft, mode, k, study, t=None, dt=None):
-        c = Cell(draft, mode, k, t, dt)
+    def add(draft, mode, k, study, t=None, dt=None, adaptive=False):
+        c = Cell(draft, mode, k, t, dt, adaptive)
         group = cells.setdefault(draft, {})
         group.setdefault(c.id, c).studies.add(study)
 
@@ -179,6 +180,7 @@ def plan_cells(a, default: str, drafts: list[str]) -> dict[str, list[Cell]]:
         for mode in modes:
             for k in ks:
                 add(default, mode, k, "ksweep")
+            add(default, mode, base_k, "ksweep", adaptive=True)  # its own row: k chosen per round, <= --k
     if "drafts" in studies:
         for draft in drafts:
             for mode in modes:
@@ -187,6 +189,9 @@ def plan_cells(a, default: str, drafts: list[str]) -> dict[str, list[Cell]]:
         for t in parse_floats(a.target_temps):
             for dt in parse_floats(a.draft_temps):
                 add(default, "pipelined", base_k, "temps", t, dt)
+            if t > 0:  # fixed against adaptive k, the draft at its default (the target's sampling)
+                add(default, "pipelined", base_k, "temps", t, None)
+                add(default, "pipelined", base_k, "temps", t, None, adaptive=True)
     if "positions" in studies:
         for mode in modes:
             add(default, mode, a.position_k, "positions")
@@ -276,10 +281,12 @@ def analyse(a, groups, records, lengths, prompts, default, variants, memory, swa
     studies = set(a.studies.split(","))
     base = f"{default}/target-only"
     if "ksweep" in studies:
-        res["ksweep"] = [{"mode": c["mode"], "k": c["k"], "cell": cid} for cid, c in cells.items()
-                         if "ksweep" in c["studies"]]
+        res["ksweep"] = [{"mode": c["mode"], "k": c["k"], "adaptive": c["adaptive"], "cell": cid}
+                         for cid, c in cells.items() if "ksweep" in c["studies"]]
         res["ideal"] = []
         for cid, c in cells.items():
+            if c["adaptive"]:  # the bound is per fixed k
+                continue
             if "ksweep" in c["studies"] or (c["draft"] == default and c["mode"] in SPECULATIVE
                                             and c["temperature"] is None and c["draft_temperature"] is None):
                 seq = cells.get(f"{default}/sequential/k{c['k']}")
@@ -308,7 +315,7 @@ def analyse(a, groups, records, lengths, prompts, default, variants, memory, swa
             res["draft_comparison"].append(row)
     if "temps" in studies:
         res["temperature_grid"] = [{"temperature": c["temperature"], "draft_temperature": c["draft_temperature"],
-                                    "cell": cid} for cid, c in cells.items() if "temps" in c["studies"]]
+                                    "adaptive": c["adaptive"], "cell": cid} for cid, c in cells.items() if "temps" in c["studies"]]
     if "positions" in studies:
         pk = a.position_k
         res["positions"] = {"k": pk, "by_workload": {}, "by_draft": {}}
@@ -324,5 +331,5 @@ def analyse(a, groups, records, lengths, prompts, default, variants, memory, swa
 
 
 def _cell_is(c: dict, draft: str, k: int) -> bool:
-    return (c["draft"] == draft and c["k"] == k and c["mode"] in SPECULATIVE
+    return (c["draft"] == draft and c["k"] == k and c["mode"] in SPECULATIVE and not c["adaptive"]
             and c["temperature"] is None and c["draft_temperature"] is None)

@@ -40,7 +40,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "max_tokens", "sampling", "draft_sampling", "seed", "stop", "ignore_eos", "k", "mode")
+    __slots__ = ("text", "chat", "token_ids", "max_tokens", "sampling", "draft_sampling", "seed", "stop", "ignore_eos", "k", "mode", "adaptive_k")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatPrompt
     token_ids: TokenIds
@@ -63,7 +64,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     k: int
     mode: Mode
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    adaptive_k: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., adaptive_k: _Optional[bool] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("round", "k", "accepted", "draft_ms", "verify_ms", "overlap_ms", "wasted_draft_tokens", "rpc_ms", "draft_available", "wire_bytes", "round_ms", "pipeline_hit", "spec_wait_ms", "target_moved")
