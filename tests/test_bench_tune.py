@@ -316,3 +316,25 @@ def test_tune_decisions_from_cache(tmp_path, case):
         assert rows["orchestrator.default_draft_temperature"]["changed"]
         assert res["gain_over_target_only"]["sampled"]["tuned"] == pytest.approx(36 / 20)
     assert res["skipped_for_budget"]  # the confirmation did not fit a zero budget
+
+
+def test_a_study_that_fails_midway_keeps_what_it_measured():
+    """measure_group appends to the caller's list as it goes: the requests measured before a
+    failure reach study-partial.json (they were lost with the failing group before)."""
+    class FailsOnTheFourth:
+        calls = 0
+
+        def request(self, p, length, mode, k, t, dt, seed, adaptive_k=False):
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("the orchestrator went away")
+            return {"prompt": p.id, "tokens": length, "seconds": 1.0, "marks": [], "rounds": [], "stats": {}}
+
+    cells = [study.Cell("d", "pipelined", 2), study.Cell("d", "pipelined", 2, adaptive=True)]
+    prompts = [TokenizedPrompt("p0", "chat", [1], "p0"), TokenizedPrompt("p1", "code", [2], "p1")]
+    kept: list[dict] = []
+    with pytest.raises(RuntimeError):
+        study.measure_group(FailsOnTheFourth(), cells, prompts, [8], runs=2, seed=0, separate_lengths=True,
+                            records=kept)
+    assert [(r["cell"], r["prompt"]) for r in kept] == [("d/pipelined/k2", "p0"), ("d/pipelined/k2", "p1"),
+                                                         ("d/pipelined/k2/adaptive", "p0")]

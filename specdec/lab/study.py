@@ -20,7 +20,8 @@ and max over the runs and the spread % = (max - min) / median.
 
 Studies (`--studies`, default all):
 - ksweep: k in `--ks` (default 1..16), pipelined and sequential, plus target-only: tok/s,
-  acceptance rate, mean accepted tokens per round (1 + accepted / rounds with drafts).
+  acceptance rate, mean accepted tokens per round (1 + accepted / rounds with drafts); adaptive
+  k (each round's k chosen by the orchestrator, at most `--k`) is its own row in both modes.
 - drafts: each draft the system can load here (`--drafts`): torch-int4 (the default: the
   paged torch runner with 4-bit weights), llamacpp (the shipped Q4_1 GGUF), llamacpp-q8_0 and llamacpp-f16 (the same weights re-quantized by llama.cpp's
   own tool, when the llama.cpp peer is built), torch-fp32 and torch-bf16 (torch copies of the
@@ -31,7 +32,8 @@ Studies (`--studies`, default all):
   /metrics, draft ms per token (draft_ms / k over the rounds with k > 0, sequential mode),
   acceptance, tok/s and the speedup over target-only measured in the same group.
 - temps: target temperature in {0, 0.6, 1.0} x draft temperature in {0, 0.1, 0.6, 0.8}
-  (pipelined, k = `--k`, a fixed seed per prompt and run): acceptance and tok/s.
+  (pipelined, k = `--k`, a fixed seed per prompt and run): acceptance and tok/s; at each
+  sampled target temperature also fixed against adaptive k, the draft at the target's sampling.
 - positions: acceptance by draft position (accepted_by_position / drafted_by_position summed
   over requests) at k = `--position-k` (16), per workload and per draft.
 - ideal (computed from the ksweep cells, no extra requests): with d = measured draft ms per
@@ -109,13 +111,15 @@ def request_lengths(lengths: list[int], separate: bool) -> list[int]:
 
 
 def measure_group(live: LiveStack, cells: list[Cell], prompts: list[TokenizedPrompt], lengths: list[int],
-                  runs: int, seed: int, bar=None, separate_lengths: bool = False) -> list[dict]:
-    """Every cell x length x run x prompt, runs interleaved over the cells (order rotating).
+                  runs: int, seed: int, bar=None, separate_lengths: bool = False,
+                  records: list[dict] | None = None) -> list[dict]:
+    """Every cell x length x run x prompt, runs interleaved over the cells (order rotating),
+    appended to `records` as they are measured (so a study that fails midway keeps them).
 
     Unless `separate_lengths`, one request of the longest length is made and the shorter
     lengths are measured as its prefixes (`prefix_record`).
     """
-    records = []
+    records = [] if records is None else records
     for run in range(runs):
         for length in request_lengths(lengths, separate_lengths):
             order = cells[run % len(cells):] + cells[: run % len(cells)]
@@ -244,7 +248,7 @@ def run_study(a) -> dict:
             info = live.info()
             infos[name] = {"target": info.get("target", {}), "draft": info.get("draft", {})}
             live.warm_up(prompts[0], sorted({c.mode for c in cells}), a.k)
-            records += measure_group(live, cells, prompts, lengths, a.runs, a.seed, bar, a.separate_lengths)
+            measure_group(live, cells, prompts, lengths, a.runs, a.seed, bar, a.separate_lengths, records)
             memory[name] = live.draft_memory()
     except BaseException:
         if records:  # keep what was measured (the full study takes hours)
