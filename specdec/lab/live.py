@@ -249,9 +249,10 @@ class LiveStack:
         return self.client.info()
 
     def request(self, prompt: TokenizedPrompt, length: int, mode: str, k: int, temperature: float | None = None,
-                draft_temperature: float | None = None, seed: int | None = None, adaptive_k: bool = False) -> dict:
+                draft_temperature: float | None = None, seed: int | None = None, adaptive_k: bool | None = None) -> dict:
         """One request, `length` tokens (EOS ignored), timed by the client: the study's request record
-        (see specdec.lab.analysis), with every streamed chunk's arrival in `marks`."""
+        (see specdec.lab.analysis), with every streamed chunk's arrival in `marks`. adaptive_k None
+        follows the stack's config (tune, warm-up); the study sets it per cell."""
         kw = dict(token_ids=prompt.ids, max_tokens=length, ignore_eos=True, mode=mode, k=k, adaptive_k=adaptive_k)
         if temperature is not None:
             kw["temperature"] = temperature
