@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 
 from draft_service.engine import DraftEngine, NgramDraftEngine
 from specdec import metrics, security
 from specdec.config import DraftConfig
-from specdec.devices import configure_process, resolve_device
+from specdec.devices import configure_process, resolve_device, resolve_draft_engine
 from specdec.errors import InvalidArgument
 from specdec.rpc import Server, Servicer, add_servicer, StreamSession, boundary, model_info, sampling_from_proto, serve_session
 from specdec.serving.runners import load_runner
@@ -68,6 +69,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer, Servicer):
 
 async def serve(cfg: DraftConfig) -> None:
     device = resolve_device(cfg.device)
+    cfg = replace(cfg, engine=resolve_draft_engine(cfg.engine, device))
     configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
     server = Server(cfg.host, cfg.port, [SERVICE_NAME], credentials=security.server_credentials(cfg))
     servicer = DraftServicer(cfg, device)

@@ -15,6 +15,7 @@ import time
 from importlib.metadata import entry_points
 
 from specdec.config import SpecdecConfig
+from specdec.devices import resolve_draft_engine
 
 COMMAND_PLUGINS = "specdec.commands"  # entry points: callables that add subparsers
 TOKEN_ENV = "SPECDEC_TOKEN"  # the default of --token, so that the token need not be on the command line
@@ -47,7 +48,8 @@ def cmd_up(a) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"starting target ({cfg.target.model}), draft ({cfg.draft.engine}: {cfg.draft.model}) and orchestrator; "
+    draft_engine = resolve_draft_engine(cfg.draft.engine, cfg.draft.device)
+    print(f"starting target ({cfg.target.model}), draft ({draft_engine}: {cfg.draft.model}) and orchestrator; "
           f"logs in {stack.dir}", flush=True)
     t0 = time.monotonic()
     stack.start()
@@ -194,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16", "int4"],
                     help="torch target precision (int4: 4-bit weights; an INT4 checkpoint's own codes)")
     up.add_argument("--draft-model", help="packaged name, .gguf file or HF directory")
-    up.add_argument("--draft-engine", choices=["llamacpp", "torch", "ngram"])
+    up.add_argument("--draft-engine", choices=["auto", "llamacpp", "torch", "ngram"],
+                    help="auto (the default): torch on a GPU or an AVX-512 CPU, else llamacpp")
     up.add_argument("--no-draft", action="store_true", help="start without a draft service (target-only)")
     up.add_argument("--host", help="listen address for all three (default 127.0.0.1)")
     up.add_argument("--log-dir", help="where the service logs go (default: a temp dir)")

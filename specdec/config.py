@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from specdec.devices import default_draft_engine
 from specdec.errors import InvalidArgument
 from specdec.models import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL
 
@@ -79,10 +78,11 @@ class TargetConfig(ModelServiceConfig):
 @dataclass
 class DraftConfig(ModelServiceConfig):
     port: int = 50053
-    # torch | llamacpp | ngram. By default the paged torch runner with 4-bit weights (int4 runs as
-    # bfloat16 on a GPU) where its batched step scales (AVX-512 CPUs, GPUs), else llama.cpp on the
-    # shipped Q4_1 GGUF (AVX2-only CPUs): devices.default_draft_engine, README "Choosing the defaults"
-    engine: str = field(default_factory=default_draft_engine)
+    # auto | torch | llamacpp | ngram. auto (resolved by the draft service for its `device`): the
+    # paged torch runner with 4-bit weights (int4 runs as bfloat16 on a GPU) where its batched step
+    # scales (AVX-512 CPUs, GPUs), else llama.cpp on the shipped Q4_1 GGUF (AVX2-only CPUs):
+    # devices.default_draft_engine, README "Choosing the defaults"
+    engine: str = "auto"
     dtype: str = "int4"  # torch engine
     int4_head: str = "int8"  # small steps read half the head's bytes: 1.8 ms a head matmul against 4.3 (BENCHMARKS §6f)
     model: str = DEFAULT_DRAFT_MODEL

@@ -29,18 +29,24 @@ def parse_cores(spec: str | None) -> list[int] | None:
     return parse_int_ranges(spec) or None
 
 
-def default_draft_engine() -> str:
-    """The draft engine that is fastest on this machine (measured; README, "Choosing the
-    defaults"): the paged torch runner (int4 weights on CPU, bf16 on a GPU) where torch's CPU
-    int4 kernel has AVX-512 (a draft step of 22.5 ms, and 8 sequences' step 50.8 against
-    llama.cpp's 111.9) or a GPU is present; elsewhere llama.cpp on the GGUF as shipped, since
-    on an AVX2-only CPU torch's int4 step costs 42.6 ms against llama.cpp's 22.2, batches no
-    better (8 x 1: 187 against 182 ms) and prefills at 10 ms a token (BENCHMARKS.md §6a)."""
+def default_draft_engine(device: str) -> str:
+    """The draft engine that is fastest for a draft placed on `device` (measured; README,
+    "Choosing the defaults"): the paged torch runner (int4 weights on CPU, bf16 on a GPU) on a
+    GPU or where torch's CPU int4 kernel has AVX-512 (a draft step of 22.5 ms, and 8 sequences'
+    step 50.8 against llama.cpp's 111.9); elsewhere llama.cpp on the GGUF as shipped, since on an
+    AVX2-only CPU torch's int4 step costs 42.6 ms against llama.cpp's 22.2, batches no better
+    (8 x 1: 187 against 182 ms) and prefills at 10 ms a token (BENCHMARKS.md §6a). A draft set to
+    run on the CPU of a GPU host is judged by that CPU."""
+    if resolve_device(device).startswith("cuda"):
+        return "torch"
     import torch
 
-    if torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return "torch"
-    return "llamacpp"
+    return "torch" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "llamacpp"
+
+
+def resolve_draft_engine(engine: str, device: str) -> str:
+    """A draft config's engine, "auto" (the default) resolved for its device."""
+    return default_draft_engine(device) if engine == "auto" else engine
 
 
 def resolve_device(device: str) -> str:

@@ -121,3 +121,22 @@ def test_a_runner_loaded_with_pool_tokens_0_sizes_its_pool_from_the_share(tiny_m
     weights = r.facts.weight_bytes
     pool = r.blocks.capacity_tokens * r.facts.kv_bytes_per_token
     assert 0.75 * share - weights - 16 * r.facts.kv_bytes_per_token < pool <= 0.75 * share - weights
+
+
+# -- the draft engine chosen for the device the draft runs on -----------------------------------------
+
+def test_draft_engine_auto_is_resolved_for_the_drafts_own_device(monkeypatch):
+    from specdec.config import DraftConfig
+    from specdec.devices import resolve_draft_engine
+
+    assert DraftConfig().engine == "auto"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert resolve_draft_engine("auto", "cpu") == "llamacpp"  # torch's int4 step does not pay without AVX-512
+    assert resolve_draft_engine("auto", "cuda:0") == "torch"  # a GPU host's draft on its GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_draft_engine("auto", "cpu") == "llamacpp"  # ... and on that host's AVX2 CPU: judged by the CPU
+    assert resolve_draft_engine("auto", "auto") == "torch"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert resolve_draft_engine("auto", "cpu") == "torch"
+    for explicit in ("torch", "llamacpp", "ngram"):
+        assert resolve_draft_engine(explicit, "cpu") == explicit

@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.devices import resolve_draft_engine
 from specdec.lab.workloads import TokenizedPrompt
 from specdec.modes import Mode
 
@@ -71,7 +72,8 @@ class DraftVariant:
         return {"engine": self.engine, "model": self.model, "dtype": self.dtype}
 
     def matches(self, draft_cfg) -> bool:
-        return (draft_cfg.engine == self.engine and (self.engine == "ngram" or draft_cfg.model == self.model)
+        engine = resolve_draft_engine(draft_cfg.engine, draft_cfg.device)
+        return (engine == self.engine and (self.engine == "ngram" or draft_cfg.model == self.model)
                 and (self.engine != "torch" or draft_cfg.dtype == self.dtype))
 
 
@@ -83,8 +85,8 @@ def draft_variants(target_model: str, tiny_draft: str | None = None) -> dict[str
         out["tiny-draft"] = DraftVariant("tiny-draft", "torch", tiny_draft, "float32", "noisy copy of the tiny target")
     else:
         out["torch-int4"] = DraftVariant("torch-int4", "torch", DEFAULT_DRAFT_MODEL, "int4",
-                                         "4-bit torch draft (the default)")
-    out["llamacpp"] = DraftVariant("llamacpp", "llamacpp", DEFAULT_DRAFT_MODEL, "float32", "shipped Q4_1 GGUF")
+                                         "4-bit torch draft (the default on AVX-512 CPUs and GPUs)")
+    out["llamacpp"] = DraftVariant("llamacpp", "llamacpp", DEFAULT_DRAFT_MODEL, "float32", "shipped Q4_1 GGUF (the default on other CPUs)")
     if not tiny_draft:
         out.update(requantized_draft_variants())
     out["torch-fp32"] = DraftVariant("torch-fp32", "torch", target_model, "float32", "fp32 copy of the target")
@@ -126,7 +128,8 @@ def variant_of(cfg_draft, variants: dict[str, DraftVariant]) -> DraftVariant:
     for v in variants.values():
         if v.matches(cfg_draft):
             return v
-    return DraftVariant("config", cfg_draft.engine, cfg_draft.model, cfg_draft.dtype, "from the config file")
+    return DraftVariant("config", resolve_draft_engine(cfg_draft.engine, cfg_draft.device), cfg_draft.model,
+                        cfg_draft.dtype, "from the config file")
 
 
 def scrape_metrics(host: str, port: int, timeout_s: float = 5.0) -> dict[str, float]:
