@@ -174,11 +174,35 @@ def test_bench_end_to_end_tiny(tmp_path):
         for name, row in res["systems"].items():
             assert row["tok_s"]["n"] == 2 and row["tok_s"]["min"] <= row["tok_s"]["median"] <= row["tok_s"]["max"]
         assert 0.0 < res["systems"]["pipelined"]["extra"]["acceptance_rate"] <= 1.0
+        for mode in ("target-only", "sequential", "pipelined"):  # the decode rate, prefill left out
+            d = res["systems"][mode]["decode_tok_s"]
+            assert d["n"] == 2 and d["median"] > res["systems"][mode]["tok_s"]["median"]
         ratio = res["ratios"]["pipelined / target-only"]
         runs = {r["system"]: r["tok_s"] for r in doc["runs"] if r["length"] == int(length) and r["run"] == 0}
         assert ratio["n"] == 2 and ratio["min"] <= runs["pipelined"] / runs["target-only"] <= ratio["max"]
     md = (out / "compare.md").read_text()
     assert "### 6 new tokens" in md and "### 10 new tokens" in md and "| pipelined / hf-assisted |" in md
+
+
+def test_bench_compares_decode_rates_with_llamacpps_best_k_in_each_run():
+    from specdec.lab.bench import SystemRun, summarize_length
+    from specdec.lab.report import compare_markdown
+
+    def run(system, i, tok_s, decode):  # 100 tokens; decode = tokens after the prefill per second
+        return SystemRun(system, i, 100, 100 / tok_s, {"decode_tokens": 90, "decode_s": 90 / decode}, 128)
+
+    systems = ["pipelined", "llamacpp-spec-k4", "llamacpp-spec-k12"]
+    runs = [run("pipelined", 0, 50, 60), run("llamacpp-spec-k4", 0, 40, 50), run("llamacpp-spec-k12", 0, 45, 75),
+            run("pipelined", 1, 52, 66), run("llamacpp-spec-k4", 1, 40, 60), run("llamacpp-spec-k12", 1, 45, 55)]
+    res = summarize_length(runs, systems)
+    best = res["ratios"]["pipelined decode / llamacpp-spec best k decode"]
+    # run 0: its best is k = 12 (75), run 1: k = 4 (60); not one k fixed over the runs
+    assert best["n"] == 2 and best["min"] == pytest.approx(60 / 75) and best["max"] == pytest.approx(66 / 60)
+    assert res["ratios"]["pipelined / llamacpp-spec-k12"]["median"] == pytest.approx((50 / 45 + 52 / 45) / 2)
+    assert res["systems"]["pipelined"]["decode_tok_s"]["median"] == pytest.approx(63)
+    md = compare_markdown({"command": "specdec bench", "by_length": {"128": res}})
+    assert "| pipelined decode / llamacpp-spec best k decode | 0.95× | 0.80× | 1.10× |" in md
+    assert "| 63.0 (60.0-66.0) |" in md
 
 
 @pytest.mark.slow

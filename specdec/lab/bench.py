@@ -19,7 +19,15 @@ Systems:
 - hf-assisted: transformers assisted generation, bf16 copy of the target as assistant,
   k=4 constant (its best setting here), 2 threads;
 - llamacpp-spec: llama.cpp's own speculative example, F32 target GGUF + shipped Q4_1
-  draft, 2 threads (built by scripts/build_llamacpp_peer.sh; skipped if not built).
+  draft, 2 threads (built by scripts/build_llamacpp_peer.sh; skipped if not built), once per
+  draft length in `--llamacpp-ks` (systems llamacpp-spec-k4, -k8, ...), so that it runs at its
+  best k.
+
+Decode rate: besides tok/s, each system reports tokens per second of generation without the
+prompt's prefill: ours from each request's own summary (tokens after the first / time after
+the first token), llama.cpp from what its example prints ("decoded N tokens in T seconds").
+"pipelined decode / llamacpp-spec best k" is, per run, our decode rate over the highest of
+llama.cpp's decode rates at its draft lengths in that run.
 """
 from __future__ import annotations
 
@@ -38,6 +46,17 @@ from specdec.modes import Mode
 
 OURS = (Mode.TARGET_ONLY.label, Mode.SEQUENTIAL.label, Mode.PIPELINED.label)
 PEERS = ("hf-generate", "hf-assisted", "llamacpp-spec")
+LLAMACPP_SPEC = "llamacpp-spec"
+
+
+def llamacpp_spec_system(k: int) -> str:
+    return f"{LLAMACPP_SPEC}-k{k}"
+
+
+def llamacpp_spec_k(system: str) -> int | None:
+    """llamacpp-spec-k8 -> 8; None for other systems."""
+    prefix = LLAMACPP_SPEC + "-k"
+    return int(system[len(prefix):]) if system.startswith(prefix) and system[len(prefix):].isdigit() else None
 
 
 @dataclass
@@ -52,6 +71,12 @@ class SystemRun:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Generation without the prefill (`decode_tokens` over `decode_s` in extra); None if not measured."""
+        s = self.extra.get("decode_s")
+        return self.extra["decode_tokens"] / s if s else None
 
 
 class OurSystem:
@@ -72,7 +97,10 @@ class OurSystem:
             tokens += len(res.token_ids)
             summaries.append(res.stats)
         seconds = time.perf_counter() - t0
-        return tokens, seconds, aggregate_summaries(summaries)
+        after_first = [max(int(s.get("completion_tokens", 0)) - 1, 0) for s in summaries]
+        decode_s = sum(n * float(s.get("tpot_ms", 0)) for n, s in zip(after_first, summaries)) / 1e3
+        return tokens, seconds, aggregate_summaries(summaries) | {"decode_tokens": sum(after_first),
+                                                                  "decode_s": decode_s}
 
 
 class Peers:
@@ -104,9 +132,11 @@ class Peers:
                 r = peers.hf_assisted_generate(self.model, self.assistant, p.ids, max_tokens, 4,
                                                threads=self.threads, measure_prefill=False)
             else:
-                r = peers.llamacpp_speculative(p.text, max_tokens, draft_max=4, threads=self.threads)
+                r = peers.llamacpp_speculative(p.text, max_tokens, draft_max=llamacpp_spec_k(system),
+                                               threads=self.threads)
                 extra.setdefault("acceptance", []).append(r.extra.get("accept_rate"))
-                extra.setdefault("decode_tokens_per_s", []).append(r.extra.get("decode_tokens_per_s"))
+                extra["decode_tokens"] = extra.get("decode_tokens", 0) + r.n_new
+                extra["decode_s"] = extra.get("decode_s", 0.0) + r.decode_s
             tokens += r.n_new
         return tokens, time.perf_counter() - t0, extra
 
@@ -133,17 +163,20 @@ def run_compare(a) -> dict:
     unknown = [s for s in systems if s not in OURS + PEERS]
     if unknown:
         raise SystemExit(f"unknown system(s) {unknown}; known: {', '.join(OURS + PEERS)}")
-    if "llamacpp-spec" in systems and (a.tiny or not llamacpp_available()):
+    if LLAMACPP_SPEC in systems and (a.tiny or not llamacpp_available()):
         print("llamacpp-spec: " + ("runs the shipped GGUF pair only, not --tiny" if a.tiny else
                                    "not built (run scripts/build_llamacpp_peer.sh)") + "; skipped", file=sys.stderr)
-        systems.remove("llamacpp-spec")
+        systems.remove(LLAMACPP_SPEC)
+    if LLAMACPP_SPEC in systems:
+        i = systems.index(LLAMACPP_SPEC)
+        systems[i:i + 1] = [llamacpp_spec_system(k) for k in parse_int_ranges(a.llamacpp_ks)]
     stack = start_stack(cfg, out / "logs") if not a.address else None
     address = a.address or stack.address("orchestrator")
     bar = tqdm(total=a.runs * len(lengths) * len(systems), desc="bench", unit="system-run", disable=a.no_progress,
                file=sys.stderr)
     try:
         ours = OurSystem(address)
-        peers = Peers(cfg.target.model, a.peer_threads) if any(s in PEERS for s in systems) else None
+        peers = Peers(cfg.target.model, a.peer_threads) if any(s not in OURS for s in systems) else None
         # warm-up: one short request per mode (caches, allocator, first-call costs)
         for mode in OURS:
             if mode in systems:
@@ -158,10 +191,11 @@ def run_compare(a) -> dict:
                         tokens, seconds, extra = ours.run(system, prompts, length, a.k)
                     else:
                         tokens, seconds, extra = peers.run(system, prompts, length)
-                    runs.append(SystemRun(system, run, tokens, seconds, extra, length))
+                    runs.append(r := SystemRun(system, run, tokens, seconds, extra, length))
                     bar.update(1)
                     if a.no_progress:
-                        print(f"run {run + 1} L{length} {system:<13} {tokens / seconds:7.1f} tok/s", file=sys.stderr,
+                        decode = f", decode {r.decode_tok_s:7.1f}" if r.decode_tok_s else ""
+                        print(f"run {run + 1} L{length} {system:<17} {r.tok_s:7.1f} tok/s{decode}", file=sys.stderr,
                               flush=True)
     finally:
         bar.close()
@@ -238,27 +272,44 @@ def run_load(a) -> dict:
 
 
 RATIOS = [("pipelined", "target-only"), ("pipelined", "sequential"), ("pipelined", "hf-assisted"),
-          ("pipelined", "hf-generate"), ("pipelined", "llamacpp-spec"), ("sequential", "target-only"),
-          ("hf-assisted", "hf-generate")]
+          ("pipelined", "hf-generate"), ("sequential", "target-only"), ("hf-assisted", "hf-generate")]
 
 
 def summarize_length(runs: list[SystemRun], systems: list[str]) -> dict:
-    """One output length: tok/s per system over runs, and the per-run ratios (same run = side by side)."""
+    """One output length: tok/s (and decode tok/s where measured) per system over runs, and the
+    per-run ratios (same run = side by side)."""
     per = {s: [r for r in runs if r.system == s] for s in systems}
-    table = {s: {"tok_s": spread([r.tok_s for r in rs]), "extra": rs[-1].extra} for s, rs in per.items() if rs}
+    table = {}
+    for s, rs in per.items():
+        if rs:
+            decode = [r.decode_tok_s for r in rs if r.decode_tok_s]
+            table[s] = {"tok_s": spread([r.tok_s for r in rs]), "extra": rs[-1].extra,
+                        **({"decode_tok_s": spread(decode)} if decode else {})}
+    llama = [s for s in systems if llamacpp_spec_k(s) is not None]
     ratios = {}
-    for num, den in RATIOS:
+
+    def ratio(name: str, vals: list[float]) -> None:
+        if vals:
+            ratios[name] = spread(vals)
+
+    for num, den in RATIOS + [("pipelined", s) for s in llama]:
         if per.get(num) and per.get(den):
-            vals = [n.tok_s / d.tok_s for n, d in zip(per[num], per[den]) if d.tok_s > 0]
-            if vals:
-                ratios[f"{num} / {den}"] = spread(vals)
+            ratio(f"{num} / {den}", [n.tok_s / d.tok_s for n, d in zip(per[num], per[den]) if d.tok_s > 0])
+    if per.get("pipelined") and llama:
+        best = []  # per run: our decode rate over llama.cpp's best one (its best k) in that run
+        for r in per["pipelined"]:
+            theirs = [x.decode_tok_s for s in llama for x in per[s] if x.run == r.run and x.decode_tok_s]
+            if r.decode_tok_s and theirs:
+                best.append(r.decode_tok_s / max(theirs))
+        ratio("pipelined decode / llamacpp-spec best k decode", best)
     return {"systems": table, "ratios": ratios}
 
 
 def summarize_compare(runs: list[SystemRun], systems: list[str], lengths: list[int], a, prompts) -> dict:
     return {"command": " ".join(["specdec", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "specdec bench",
             "settings": {"runs": a.runs, "lengths": lengths, "k": a.k, "workloads": a.workloads, "tiny": a.tiny,
-                         "prompts_per_workload": a.prompts, "peer_threads": a.peer_threads},
+                         "prompts_per_workload": a.prompts, "peer_threads": a.peer_threads,
+                         "llamacpp_ks": a.llamacpp_ks},
             "prompts": [p.id for p in prompts],
             "by_length": {str(L): summarize_length([r for r in runs if r.length == L], systems) for L in lengths},
-            "runs": [asdict(r) | {"tok_s": r.tok_s} for r in runs]}
+            "runs": [asdict(r) | {"tok_s": r.tok_s, "decode_tok_s": r.decode_tok_s} for r in runs]}

@@ -35,6 +35,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--k", type=int, default=8)
     b.add_argument("--systems", default=",".join(bench.OURS + bench.PEERS))
     b.add_argument("--peer-threads", type=int, default=2)
+    b.add_argument("--llamacpp-ks", default="4,8,12",
+                   help="draft lengths llama.cpp's speculative example runs at, one system each (its best k)")
     b.add_argument("--out", default="bench-results")
     g = b.add_argument_group("many clients at once (specdec/lab/load.py)")
     g.add_argument("--concurrency", help="run the concurrency sweep instead: numbers of clients, e.g. 1,2,4,8,16 "

@@ -312,8 +312,9 @@ def compare_markdown(result: dict) -> str:
     lines = [f"Command: `{result['command']}`", ""]
     for length, res in result["by_length"].items():
         lines += [f"### {length} new tokens", "",
-                  "| system | tok/s median | min | max | spread % | acceptance | TTFT ms (median) | RPC ms/round |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| system | tok/s median | min | max | spread % | decode tok/s median (min-max) | acceptance | "
+                  "TTFT ms (median) | RPC ms/round |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for s, row in res["systems"].items():
             t, e = row["tok_s"], row["extra"]
             acc = e.get("acceptance_rate")
@@ -321,8 +322,10 @@ def compare_markdown(result: dict) -> str:
                 vals = [x for x in e["acceptance"] if x is not None]
                 acc = sum(vals) / len(vals) if vals else None
             ours = "ttft_ms_median" in e
+            d = row.get("decode_tok_s")
+            decode = f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})" if d else ""
             lines.append(f"| {s} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {t['spread_pct']:.0f} | "
-                         f"{'' if acc is None or (ours and s == 'target-only') else f'{acc:.3f}'} | "
+                         f"{decode} | {'' if acc is None or (ours and s == 'target-only') else f'{acc:.3f}'} | "
                          + (f"{e['ttft_ms_median']:.0f} | {e['rpc_overhead_ms_per_round']:.2f} |" if ours else " | |"))
         lines += ["", "| ratio (per run, side by side) | median | min | max |", "|---|---|---|---|"]
         for name, r in res["ratios"].items():
