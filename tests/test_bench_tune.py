@@ -103,6 +103,32 @@ def test_study_report_from_hand_made_measurements(tmp_path):
     assert "| pipelined | adaptive (≤ 2) |" in md and "| 1 | = target, adaptive k (≤ 2) |" in md
 
 
+def test_a_study_stopped_in_its_last_run_reports_the_runs_every_cell_completed(tmp_path):
+    a = build_parser().parse_args(["study", "--quick", "--studies", "ksweep", "--ks", "1,2", "--k", "2",
+                                   "--lengths", "16", "--runs", "3"])
+    study.resolve_args(a)
+    variants = live.draft_variants("/models/target", "/models/draft")
+    groups = study.plan_cells(a, "tiny-draft", ["tiny-draft"])
+    cells = groups["tiny-draft"]
+    prompts = [TokenizedPrompt("p0", "chat", [1, 2], "p0"), TokenizedPrompt("p1", "code", [3], "p1")]
+    # runs 0 and 1 complete; run 2 stopped after the first cell and one prompt of the second
+    records = [_fake_request(c, p, 16, run) for run in range(2) for c in cells for p in prompts]
+    records += [_fake_request(cells[0], p, 16, 2) for p in prompts] + [_fake_request(cells[1], prompts[0], 16, 2)]
+    assert study.complete_runs(groups, records, len(prompts)) == 2
+    assert study.complete_runs(groups, records[:-4], len(prompts)) == 1  # run 1's last request missing
+    assert study.complete_runs(groups, [], len(prompts)) == 0
+    report.write_partial(tmp_path, records)
+    res = study.report_complete_runs(a, groups, report.read_partial(tmp_path), [16], prompts, "tiny-draft",
+                                     variants, tmp_path)
+    assert res["stopped_early"] == {"runs_done": 2, "runs_asked": 3, "requests_left_out": 3}
+    doc = json.loads((tmp_path / "study.json").read_text())
+    assert {r["run"] for r in doc["requests"]} == {0, 1} and doc["settings"]["runs"] == 2
+    assert doc["cells"]["tiny-draft/pipelined/k2"]["by_length"]["16"]["tok_s"]["n"] == 2
+    assert "Stopped early: these tables hold the 2 run(s) that every cell completed, of 3 asked" in (
+        tmp_path / "study.md").read_text()
+    assert a.runs == 3  # the caller's flags are left as they were
+
+
 # -- end to end, real services on tiny models ----------------------------------------------------
 @pytest.mark.slow
 def test_study_end_to_end_tiny(tmp_path, monkeypatch):

@@ -76,7 +76,11 @@ def add_study_parser(sub) -> None:
     p.add_argument("--draft-temps", help="draft temperatures of the grid (0,0.1,0.6,0.8; quick 0,0.6)")
     p.add_argument("--render", action="store_true",
                    help="only rewrite study.md and the plots in --out from its study.json (no measurement)")
-    p.set_defaults(fn=lambda a: 0 if (report.render(Path(a.out)) if a.render else study.run_study(a)) else 1)
+    p.add_argument("--from-partial", action="store_true",
+                   help="only write study.md and study.json from the complete runs in --out's study-partial.json "
+                        "(a study that stopped early; give the flags it ran with)")
+    p.set_defaults(fn=lambda a: 0 if (report.render(Path(a.out)) if a.render else study.report_from_partial(a)
+                                      if a.from_partial else study.run_study(a)) else 1)
 
 
 def add_tune_parser(sub) -> None:

@@ -64,6 +64,11 @@ def study_markdown(res: dict) -> str:
                                                                         "mean nothing." if st["tiny"] else ""), ""]
     for name, err in res.get("skipped_drafts", {}).items():
         L += [f"Draft {name} could not be loaded here and was skipped: `{err.splitlines()[0][:200]}`", ""]
+    if res.get("stopped_early"):
+        e = res["stopped_early"]
+        L += [f"Stopped early: these tables hold the {e['runs_done']} run(s) that every cell completed, of "
+              f"{e['runs_asked']} asked; the {e['requests_left_out']} request(s) of the unfinished run are in "
+              "study-partial.json only.", ""]
     fallback = [cid for cid, c in cells.items() if c["all"]["draft_fallback_rounds"]]
     if fallback:
         L += [f"Warning: the draft was unavailable for some rounds of {', '.join(fallback)} (served target-only).", ""]
@@ -291,6 +296,12 @@ def write_partial(out: Path, records: list[dict]) -> Path:
     path.write_text(json.dumps({"round_fields": list(ROUND_FIELDS), "requests": _compact_requests(records)},
                                default=_json_default))
     return path
+
+
+def read_partial(out: Path) -> list[dict]:
+    """The requests of study-partial.json, rounds expanded (as measured)."""
+    doc = json.loads((Path(out) / "study-partial.json").read_text())
+    return [dict(r, rounds=expand_rounds(r["rounds"], doc["round_fields"])) for r in doc["requests"]]
 
 
 def _compact_requests(records: list[dict]) -> list[dict]:

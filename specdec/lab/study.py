@@ -46,8 +46,10 @@ Studies (`--studies`, default all):
 Outputs in `--out`: study.md (tables), study.json (settings, every cell's statistics and every
 request's raw numbers, rounds included), ksweep.png, acceptance_by_position.png,
 round_time_split.png, ideal.png, and the service logs (logs/). A study that stops early leaves
-the requests measured so far in study-partial.json. A draft that cannot be loaded here is
-skipped and named in the report.
+the requests measured so far in study-partial.json, and study.md / study.json from the runs that
+every cell completed, if any (`--from-partial`, with the flags the study ran with, writes them
+again from study-partial.json). A draft that cannot be loaded here is skipped and named in the
+report.
 
 `--quick`: 1 prompt per workload, outputs of 64 tokens, 2 runs, k in 1,4,8,16, a 2 x 2
 temperature grid. `--tiny`: tiny random Llama models carrying the SmolLM2 tokenizer, made in
@@ -254,6 +256,7 @@ def run_study(a) -> dict:
         if records:  # keep what was measured (the full study takes hours)
             path = report.write_partial(out, records)
             print(f"study: interrupted; {len(records)} requests saved in {path}", file=sys.stderr)
+            report_complete_runs(a, groups, records, lengths, prompts, default.name, variants, out)
         raise
     finally:
         bar.close()
@@ -264,6 +267,59 @@ def run_study(a) -> dict:
     report.write_outputs(out, result, records)
     print(f"study: wrote {out}/study.md, study.json and plots in {result['wall_s']:.0f}s", file=sys.stderr)
     return result
+
+
+def complete_runs(groups: dict[str, list[Cell]], records: list[dict], requests_per_run: int) -> int:
+    """How many runs, counted from the first, every cell of `groups` finished (all its requests)."""
+    done: dict[tuple[str, int], int] = {}
+    for r in full_requests(records):
+        done[r["cell"], r["run"]] = done.get((r["cell"], r["run"]), 0) + 1
+    cells = [c.id for cs in groups.values() for c in cs]
+    n = 0
+    while cells and all(done.get((c, n), 0) >= requests_per_run for c in cells):
+        n += 1
+    return n
+
+
+def report_complete_runs(a, groups, records, lengths, prompts, default: str, variants, out: Path) -> dict | None:
+    """study.md and study.json from the runs that every cell completed, when a study stopped
+    before its last run (its other requests stay in study-partial.json only)."""
+    measured = {r["cell"] for r in records}
+    groups = {g: cs for g, cs in groups.items() if any(c.id in measured for c in cs)}  # drafts never reached
+    per_run = len(prompts) * len(request_lengths(lengths, a.separate_lengths))
+    runs = complete_runs(groups, records, per_run)
+    if not runs:
+        return None
+    kept = [r for r in records if r["run"] < runs]
+    asked, a.runs = a.runs, runs
+    try:
+        result = analyse(a, groups, kept, lengths, prompts, default, variants, {}, {}, {})
+    finally:
+        a.runs = asked
+    result["stopped_early"] = {"runs_done": runs, "runs_asked": asked, "requests_left_out": len(full_requests(records))
+                               - len(full_requests(kept))}
+    report.write_outputs(out, result, kept)
+    print(f"study: wrote {out}/study.md and study.json from the {runs} complete run(s) of {asked}", file=sys.stderr)
+    return result
+
+
+def report_from_partial(a) -> bool:
+    """`specdec study --from-partial` (the flags of the study that stopped): the report of its
+    complete runs, from the study-partial.json it left in --out."""
+    resolve_args(a)
+    out = Path(a.out)
+    cfg, variants = base_config(a, out)
+    default = variant_of(cfg.draft, variants)
+    variants.setdefault(default.name, default)
+    drafts = [d for d in (a.drafts or ",".join(variants)).split(",") if d]
+    prompts = default_prompts(a.workloads, a.prompts, a.seed)
+    lengths = parse_int_ranges(a.lengths)
+    groups = plan_cells(a, default.name, drafts)
+    records = report.read_partial(out)
+    if report_complete_runs(a, groups, records, lengths, prompts, default.name, variants, out) is None:
+        print(f"study: no run of {out}/study-partial.json is complete for every cell", file=sys.stderr)
+        return False
+    return True
 
 
 def analyse(a, groups, records, lengths, prompts, default, variants, memory, swaps, infos) -> dict:
