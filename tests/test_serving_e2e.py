@@ -222,13 +222,15 @@ def test_memory_is_flat_over_500_requests(default_stack, prompts):
         assert after_500[s] <= 1.05 * after_50[s], (s, after_50[s], after_500[s])
 
 
-def test_the_default_draft_service_starts_under_1_gb(tmp_path):
+@pytest.mark.parametrize("engine", ["torch", "llamacpp"])  # the two defaults of draft.engine = auto
+def test_the_default_draft_service_starts_under_1_gb(tmp_path, engine):
     cfg = with_metrics(local_config())
+    cfg.draft.engine = engine
     with Stack(cfg, tmp_path) as stack:
         stack.start_service("draft")
         stack.wait_ready(300, ["draft"])
         m = scrape_metrics(cfg.draft.host, cfg.draft.metrics_port)
     rss_mb = m['specdec:memory_rss_bytes{service="draft"}'] / 2**20
     pool = m['specdec:kv_blocks_total{service="draft"}'] * m['specdec:kv_block_size{service="draft"}']
-    print(f"\n[memory] draft service at startup: {rss_mb:.0f} MB RSS, KV pool {pool:.0f} tokens")
+    print(f"\n[memory] {engine} draft service at startup: {rss_mb:.0f} MB RSS, KV pool {pool:.0f} tokens")
     assert rss_mb < 1024
