@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate every number in BENCHMARKS.md on this machine (run it on an otherwise idle machine;
-# about 3.5 hours on 2 CPU cores), then copy the tables and plots it quotes into docs/bench/.
+# about 4 hours on 2 CPU cores), then copy the tables and plots it quotes into docs/bench/.
 #   ./scripts/bench_all.sh [out-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,11 @@ specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --
 # 1b. the same with the llama.cpp target engine (~12 min)
 specdec bench --config scripts/configs/llamacpp-target.toml --runs 3 --prompts 2 --workloads chat,code \
   --max-tokens 128,256 --k 8 --systems target-only,sequential,pipelined --out "$out/compare-llamacpp"
+# 6g. decode rates against llama.cpp's speculative example at k 4, 8, 12, both target engines (~2 x 20 min)
+specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 \
+  --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode"
+specdec bench --config scripts/configs/llamacpp-target.toml --runs 3 --prompts 2 --workloads chat,code \
+  --max-tokens 128,256 --k 8 --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-llamacpp"
 # 6. the serving core: the cost of one batched forward per runner and shape (~10 min), and the
 #    concurrency sweep, 1-16 clients, every system (~30 min)
 specdec bench --steps --runs 5 --out "$out/steps"
@@ -36,6 +41,8 @@ cp "$out/drafts/acceptance_by_position.png" docs/bench/drafts-acceptance_by_posi
 cp "$out/tune/tune.md" docs/bench/tune.md
 cp "$out/compare-llamacpp/compare.md" docs/bench/compare-llamacpp.md
 cp "$out/steps/steps.md" docs/bench/steps.md
+cp "$out/decode/compare.md" docs/bench/decode-vs-llamacpp-torch-target.md
+cp "$out/decode-llamacpp/compare.md" docs/bench/decode-vs-llamacpp-llamacpp-target.md
 cp "$out/load/load.md" docs/bench/load.md
 cp "$out/load/concurrency.png" docs/bench/concurrency.png
 echo "bench_all: results in $out/, quoted copies in docs/bench/"
