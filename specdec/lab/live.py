@@ -86,7 +86,8 @@ def draft_variants(target_model: str, tiny_draft: str | None = None) -> dict[str
     else:
         out["torch-int4"] = DraftVariant("torch-int4", "torch", DEFAULT_DRAFT_MODEL, "int4",
                                          "4-bit torch draft (the default on AVX-512 CPUs and GPUs)")
-    out["llamacpp"] = DraftVariant("llamacpp", "llamacpp", DEFAULT_DRAFT_MODEL, "float32", "shipped Q4_1 GGUF (the default on other CPUs)")
+    out["llamacpp"] = DraftVariant("llamacpp", "llamacpp", DEFAULT_DRAFT_MODEL, "float32",
+                                   "shipped Q4_1 GGUF (the default on other CPUs)")
     if not tiny_draft:
         out.update(requantized_draft_variants())
     out["torch-fp32"] = DraftVariant("torch-fp32", "torch", target_model, "float32", "fp32 copy of the target")

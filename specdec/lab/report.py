@@ -275,7 +275,7 @@ def render(out: Path) -> dict:
     if "pipeline_hit" not in fields:
         print(f"{out}/study.json predates the rounds' pipeline_hit: every pipelined round counts as a miss "
               "in the time split", file=sys.stderr)
-    records = [dict(r, rounds=expand_rounds(r["rounds"], fields)) for r in doc.pop("requests")]
+    records = _expand_requests(doc.pop("requests"), fields)
     doc.pop("plots", None)
     write_outputs(Path(out), doc, records)
     return doc
@@ -301,11 +301,15 @@ def write_partial(out: Path, records: list[dict]) -> Path:
 def read_partial(out: Path) -> list[dict]:
     """The requests of study-partial.json, rounds expanded (as measured)."""
     doc = json.loads((Path(out) / "study-partial.json").read_text())
-    return [dict(r, rounds=expand_rounds(r["rounds"], doc["round_fields"])) for r in doc["requests"]]
+    return _expand_requests(doc["requests"], doc["round_fields"])
 
 
 def _compact_requests(records: list[dict]) -> list[dict]:
     return [dict(r, rounds=compact_rounds(r["rounds"])) for r in records]
+
+
+def _expand_requests(requests: list[dict], fields) -> list[dict]:
+    return [dict(r, rounds=expand_rounds(r["rounds"], fields)) for r in requests]
 
 
 def _json_default(o):

@@ -207,9 +207,9 @@ def plan_cells(a, default: str, drafts: list[str]) -> dict[str, list[Cell]]:
     return {g: list(c.values()) for g, c in cells.items()}
 
 
-def run_study(a) -> dict:
-    from tqdm import tqdm
-
+def plan_study(a):
+    """What a study's flags ask for: out, cfg, variants, the default draft, prompts, lengths and
+    the cells per draft group (`run_study`, and `report_from_partial` for a study that stopped)."""
     resolve_args(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,13 @@ def run_study(a) -> dict:
         raise SystemExit(f"unknown draft(s) {unknown}; known here: {sorted(variants)}")
     prompts = default_prompts(a.workloads, a.prompts, a.seed)
     lengths = parse_int_ranges(a.lengths)
-    groups = plan_cells(a, default.name, drafts)
+    return out, cfg, variants, default, prompts, lengths, plan_cells(a, default.name, drafts)
+
+
+def run_study(a) -> dict:
+    from tqdm import tqdm
+
+    out, cfg, variants, default, prompts, lengths, groups = plan_study(a)
     per_cell = len(prompts) * len(request_lengths(lengths, a.separate_lengths)) * a.runs  # requests
     total = sum(len(cs) for cs in groups.values()) * per_cell
     print(f"study: {sum(len(c) for c in groups.values())} cells in {len(groups)} draft group(s), "
@@ -306,15 +312,7 @@ def report_complete_runs(a, groups, records, lengths, prompts, default: str, var
 def report_from_partial(a) -> bool:
     """`specdec study --from-partial` (the flags of the study that stopped): the report of its
     complete runs, from the study-partial.json it left in --out."""
-    resolve_args(a)
-    out = Path(a.out)
-    cfg, variants = base_config(a, out)
-    default = variant_of(cfg.draft, variants)
-    variants.setdefault(default.name, default)
-    drafts = [d for d in (a.drafts or ",".join(variants)).split(",") if d]
-    prompts = default_prompts(a.workloads, a.prompts, a.seed)
-    lengths = parse_int_ranges(a.lengths)
-    groups = plan_cells(a, default.name, drafts)
+    out, _, variants, default, prompts, lengths, groups = plan_study(a)
     records = report.read_partial(out)
     if report_complete_runs(a, groups, records, lengths, prompts, default.name, variants, out) is None:
         print(f"study: no run of {out}/study-partial.json is complete for every cell", file=sys.stderr)
