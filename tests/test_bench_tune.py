@@ -217,13 +217,16 @@ def test_bench_compares_decode_rates_with_llamacpps_best_k_in_each_run():
     def run(system, i, tok_s, decode):  # 100 tokens; decode = tokens after the prefill per second
         return SystemRun(system, i, 100, 100 / tok_s, {"decode_tokens": 90, "decode_s": 90 / decode}, 128)
 
-    systems = ["pipelined", "llamacpp-spec-k4", "llamacpp-spec-k12"]
+    systems = ["pipelined", "sequential", "llamacpp-spec-k4", "llamacpp-spec-k12"]
     runs = [run("pipelined", 0, 50, 60), run("llamacpp-spec-k4", 0, 40, 50), run("llamacpp-spec-k12", 0, 45, 75),
-            run("pipelined", 1, 52, 66), run("llamacpp-spec-k4", 1, 40, 60), run("llamacpp-spec-k12", 1, 45, 55)]
+            run("pipelined", 1, 52, 66), run("llamacpp-spec-k4", 1, 40, 60), run("llamacpp-spec-k12", 1, 45, 55),
+            run("sequential", 0, 48, 90), run("sequential", 1, 48, 30)]
     res = summarize_length(runs, systems)
     best = res["ratios"]["pipelined decode / llamacpp-spec best k decode"]
     # run 0: its best is k = 12 (75), run 1: k = 4 (60); not one k fixed over the runs
     assert best["n"] == 2 and best["min"] == pytest.approx(60 / 75) and best["max"] == pytest.approx(66 / 60)
+    seq = res["ratios"]["sequential decode / llamacpp-spec best k decode"]  # the same, for sequential rounds
+    assert seq["n"] == 2 and seq["min"] == pytest.approx(30 / 60) and seq["max"] == pytest.approx(90 / 75)
     assert res["ratios"]["pipelined / llamacpp-spec-k12"]["median"] == pytest.approx((50 / 45 + 52 / 45) / 2)
     assert res["systems"]["pipelined"]["decode_tok_s"]["median"] == pytest.approx(63)
     md = compare_markdown({"command": "specdec bench", "by_length": {"128": res}})

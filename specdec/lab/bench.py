@@ -26,8 +26,8 @@ Systems:
 Decode rate: besides tok/s, each system reports tokens per second of generation without the
 prompt's prefill: ours from each request's own summary (tokens after the first / time after
 the first token), llama.cpp from what its example prints ("decoded N tokens in T seconds").
-"pipelined decode / llamacpp-spec best k" is, per run, our decode rate over the highest of
-llama.cpp's decode rates at its draft lengths in that run.
+"pipelined decode / llamacpp-spec best k" (and the same for sequential) is, per run, our decode
+rate over the highest of llama.cpp's decode rates at its draft lengths in that run.
 """
 from __future__ import annotations
 
@@ -295,13 +295,15 @@ def summarize_length(runs: list[SystemRun], systems: list[str]) -> dict:
     for num, den in RATIOS + [("pipelined", s) for s in llama]:
         if per.get(num) and per.get(den):
             ratio(f"{num} / {den}", [n.tok_s / d.tok_s for n, d in zip(per[num], per[den]) if d.tok_s > 0])
-    if per.get("pipelined") and llama:
+    for ours in ("pipelined", "sequential"):
+        if not (per.get(ours) and llama):
+            continue
         best = []  # per run: our decode rate over llama.cpp's best one (its best k) in that run
-        for r in per["pipelined"]:
+        for r in per[ours]:
             theirs = [x.decode_tok_s for s in llama for x in per[s] if x.run == r.run and x.decode_tok_s]
             if r.decode_tok_s and theirs:
                 best.append(r.decode_tok_s / max(theirs))
-        ratio("pipelined decode / llamacpp-spec best k decode", best)
+        ratio(f"{ours} decode / llamacpp-spec best k decode", best)
     return {"systems": table, "ratios": ratios}
 
 
