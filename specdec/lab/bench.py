@@ -295,15 +295,13 @@ def summarize_length(runs: list[SystemRun], systems: list[str]) -> dict:
     for num, den in RATIOS + [("pipelined", s) for s in llama]:
         if per.get(num) and per.get(den):
             ratio(f"{num} / {den}", [n.tok_s / d.tok_s for n, d in zip(per[num], per[den]) if d.tok_s > 0])
+    theirs: dict[int, float] = {}  # per run: llama.cpp's best decode rate (its best k) in that run
+    for x in (x for s in llama for x in per[s] if x.decode_tok_s):
+        theirs[x.run] = max(theirs.get(x.run, 0.0), x.decode_tok_s)
     for ours in ("pipelined", "sequential"):
-        if not (per.get(ours) and llama):
-            continue
-        best = []  # per run: our decode rate over llama.cpp's best one (its best k) in that run
-        for r in per[ours]:
-            theirs = [x.decode_tok_s for s in llama for x in per[s] if x.run == r.run and x.decode_tok_s]
-            if r.decode_tok_s and theirs:
-                best.append(r.decode_tok_s / max(theirs))
-        ratio(f"{ours} decode / llamacpp-spec best k decode", best)
+        if per.get(ours) and theirs:
+            ratio(f"{ours} decode / llamacpp-spec best k decode",
+                  [r.decode_tok_s / theirs[r.run] for r in per[ours] if r.decode_tok_s and r.run in theirs])
     return {"systems": table, "ratios": ratios}
 
 
