@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate every number in BENCHMARKS.md on this machine (run it on an otherwise idle machine;
-# about 4 hours on 2 CPU cores), then copy the tables and plots it quotes into docs/bench/.
+# about 4.5 hours on 2 CPU cores), then copy the tables and plots it quotes into docs/bench/.
 #   ./scripts/bench_all.sh [out-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,10 @@ specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --
   --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode"
 specdec bench --config scripts/configs/llamacpp-target.toml --runs 3 --prompts 2 --workloads chat,code \
   --max-tokens 128,256 --k 8 --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-llamacpp"
+# 6h. both services on both cores, sequential rounds, against llama.cpp's example (~15 min)
+specdec bench --config scripts/configs/llamacpp-sequential-2cores.toml --runs 3 --prompts 2 --workloads chat,code \
+  --max-tokens 128,256 --k 8 --systems target-only,sequential,pipelined,llamacpp-spec --no-progress \
+  --out "$out/decode-sequential-2cores"
 # 6. the serving core: the cost of one batched forward per runner and shape (~10 min), and the
 #    concurrency sweep, 1-16 clients, every system (~30 min)
 specdec bench --steps --runs 5 --out "$out/steps"
@@ -43,6 +47,7 @@ cp "$out/compare-llamacpp/compare.md" docs/bench/compare-llamacpp.md
 cp "$out/steps/steps.md" docs/bench/steps.md
 cp "$out/decode/compare.md" docs/bench/decode-vs-llamacpp-torch-target.md
 cp "$out/decode-llamacpp/compare.md" docs/bench/decode-vs-llamacpp-llamacpp-target.md
+cp "$out/decode-sequential-2cores/compare.md" docs/bench/decode-vs-llamacpp-sequential-2cores.md
 cp "$out/load/load.md" docs/bench/load.md
 cp "$out/load/concurrency.png" docs/bench/concurrency.png
 echo "bench_all: results in $out/, quoted copies in docs/bench/"
