@@ -5,10 +5,12 @@
   sessions that are drafting as one forward per step.
 - `NgramDraftEngine`: no model; prompt lookup (copies what followed the last matching n-gram).
 
-Both answer the same calls: `open` (admission), `prefill`, `propose`, `close`. A session
-holds the tokens the orchestrator says it holds; `propose(keep, append, k)` keeps the first
-`keep`, appends `append`, then drafts k tokens, each sampled from exactly the sparse q~
-returned with it.
+Both answer the same calls: `open` (admission), `prefill`, `propose`, `cut`, `close`. A
+session holds the tokens the orchestrator says it holds; `propose(keep, append, k)` keeps the
+first `keep`, appends `append`, then drafts k tokens, each sampled from exactly the sparse q~
+returned with it. `cut` makes the propose in flight finish after its current draft step, with
+the tokens drafted so far (the session holds just those): the orchestrator cuts a speculation
+that a rejection has made useless.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class _Session:
     reserved: int  # tokens reserved in the pool: the most it may hold
     cached: int = 0  # tokens[:cached] are in the cache
     last_logits: torch.Tensor | None = None  # [V] the prediction after tokens[:cached], when known
+    proposing: "_Propose | None" = None  # the session's latest propose (done or not)
 
 
 def check_open(facts: ModelFacts, prompt_ids: list[int], sampling: SamplingParams, target_fingerprint: str,
@@ -95,6 +98,7 @@ class _Propose(Job):
         self.s, self.k, self.generator = s, k, generator
         self.drafted: list[int] = []
         self.dists: list[SparseDist] = []
+        self.cut = False  # set by DraftEngine.cut (event loop), read after each draft step (model thread)
         if not feed:  # the cache is up to date: the first token comes from the logits the session has
             self.sample(s.last_logits)
 
@@ -112,7 +116,7 @@ class _Propose(Job):
         self.s.tokens.append(tok)
         self.drafted.append(tok)
         self.dists.append((ids.tolist(), q.tolist()))
-        if len(self.drafted) == self.k:
+        if len(self.drafted) == self.k or self.cut:
             self.finish(Proposal(self.drafted, self.dists, self.elapsed_ms()))
         else:
             self._feed(self.start, [tok], 1)
@@ -159,8 +163,15 @@ class DraftEngine(PooledEngine[_Session]):
             s.cached -= 1  # feed the last token again
         if s.cached < cached:
             self.loop.call(self.runner.truncate, s.seq, s.cached)  # in the model thread, before the job
-        job = _Propose(s, k, make_generator(seed))
+        job = s.proposing = _Propose(s, k, make_generator(seed))
         return job.future if job.done else self.loop.submit(job)
+
+    def cut(self, session_id: str) -> None:
+        """Finish the session's propose in flight after its current draft step, with what it has
+        drafted (at least one token); nothing when none is running or the session is gone."""
+        s = self._sessions.get(session_id)
+        if s is not None and s.proposing is not None:
+            s.proposing.cut = True
 
 
 @dataclass
@@ -216,6 +227,9 @@ class NgramDraftEngine:
                 if toks[start:start + n] == pattern:
                     return toks[start + n:start + n + k]
         return []
+
+    def cut(self, session_id: str) -> None:
+        """Proposals are made at once: there is never one in flight to cut."""
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

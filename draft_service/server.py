@@ -47,7 +47,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer, Servicer):
     @boundary
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         async for reply in serve_session(request_iterator, context, {"open": self._open, "propose": self._propose},
-                                         self.engine.close):
+                                         self.engine.close, signals={"cut": self._cut}):
             yield reply
 
     async def _open(self, o: draft_pb2.DraftOpen, owner: StreamSession) -> draft_pb2.DraftResponse:
@@ -57,6 +57,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer, Servicer):
         owner.session_id = o.session_id
         ms = await asyncio.wrap_future(self.engine.prefill(o.session_id))
         return draft_pb2.DraftResponse(opened=draft_pb2.DraftOpened(prefill_ms=ms))
+
+    def _cut(self, _: draft_pb2.DraftCut, owner: StreamSession) -> None:
+        self.engine.cut(owner.session_id)
 
     async def _propose(self, p: draft_pb2.DraftPropose, owner: StreamSession) -> draft_pb2.DraftResponse:
         res = await asyncio.wrap_future(

@@ -91,6 +91,13 @@ class _Stream:
             return Unavailable(f"the {peer} is unavailable {during} ({code.name}: {details})")
         return Internal(f"the {peer} failed {during} ({code.name}: {details})")
 
+    async def signal(self, request, during: str) -> None:
+        """Write a request that gets no reply of its own (it may overlap a call waiting for its reply);
+        best effort: a failure is logged and dropped, the call in flight reports what is wrong."""
+        if self.call is None:
+            return
+        await quietly(asyncio.wait_for(self.call.write(request), self._wait_s()), f"{self.peer} signal {during}")
+
     async def close(self, grace_s: float = 0.5) -> None:
         """End the stream and wait (at most `grace_s`) for the service to end it too, i.e. to have
         closed the session, so that its slot is free before the next request opens one. A call
@@ -209,6 +216,9 @@ class GrpcDraftSession(_ReplicaSession):
         p = r.proposal
         metrics.RPC_LATENCY.labels("draft").observe(max(0.0, rtt - p.draft_ms) / 1e3)
         return DraftResult(list(p.token_ids), [(list(d.token_ids), list(d.probs)) for d in p.dists], p.draft_ms)
+
+    async def cut(self) -> None:
+        await self.stream.signal(draft_pb2.DraftRequest(cut=draft_pb2.DraftCut()), IN_ROUND)
 
 
 def draft_mismatch(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo | None) -> str:

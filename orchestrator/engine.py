@@ -18,7 +18,9 @@ round n's last draft, the first of which is its guess of the target's bonus toke
 round n accepts all drafts and the bonus equals that guess, the other k tokens are round
 n+1's drafts (a hit); otherwise they are thrown away (a miss). Reusing drafts on a hit
 stays exact: they were sampled from the q~ sent with them, on a prefix the target then
-produced.
+produced. A miss by rejection is known as soon as the verify returns: the speculation,
+still drafting when the draft is the slower of the two, is cut there (`cut_speculation_on_miss`),
+so the redraft of the next round starts at once instead of after the speculation's last step.
 
 The draft is optional at every moment: any draft error drops it for the request, which
 goes on target-only; it is offered again every `probe_interval_s`.
@@ -103,6 +105,10 @@ class DraftSession(Protocol):
                    target_vocab_size: int, max_tokens: int, max_draft: int) -> float: ...
 
     async def propose(self, keep: int, append: list[int], k: int, seed: int) -> DraftResult: ...
+
+    async def cut(self) -> None:
+        """Ask the propose in flight to finish now, with what it has drafted (it replies shorter);
+        best effort: never raises, and does nothing when no propose is running."""
 
     async def close(self) -> None: ...
 
@@ -552,6 +558,8 @@ class Orchestrator:
         self._learn(run, rec, v.rtt_ms)
         if spec is None or run.draft is None:
             return rec
+        if v.num_accepted < len(drafts.tokens) and self.config.cut_speculation_on_miss and not spec.task.done():
+            await run.draft.cut()  # it builds on a rejected draft: whatever it drafts now is thrown away
         res = await self._draft_call(run, spec.task)
         if res is None:
             return rec

@@ -26,7 +26,10 @@ from specdec.lab.workloads import default_prompts  # noqa: E402
 
 CONFIGS = {  # name -> (section, field, value) overrides of the embedded defaults
     "k8": [("orchestrator", "default_k", 8)],
+    "no-cut": [("orchestrator", "default_k", 8), ("orchestrator", "cut_speculation_on_miss", False)],  # as before §6i
     "bf16-head": [("draft", "int4_head", "bfloat16")],  # the int4 draft as it was before the int8 head
+    "k2": [("orchestrator", "default_k", 2)],
+    "k3": [("orchestrator", "default_k", 3)],
     "k4": [("orchestrator", "default_k", 4)],
     "k6": [("orchestrator", "default_k", 6)],
     "adaptive": [("orchestrator", "default_k", 8), ("orchestrator", "adaptive_k", True)],
@@ -55,6 +58,11 @@ def split(results) -> dict:
             "round_ms": mean(rounds, "round_ms"), "hit_round_ms": mean(hits, "round_ms"),
             "miss_round_ms": mean(misses, "round_ms"), "verify_ms": mean(drafting, "verify_ms"),
             "draft_ms": mean(drafting, "draft_ms"), "spec_wait_ms": mean(drafting, "spec_wait_ms"),
+            "wasted_draft_tokens_per_miss": mean([r for r in drafting if r.get("wasted_draft_tokens")],
+                                                 "wasted_draft_tokens"),
+            # after a rejection, how long the round waited for the speculation it then threw away
+            "spec_wait_after_rejection_ms": mean([r for r in drafting if r.get("accepted", 0) < r["k"]],
+                                                 "spec_wait_ms"),
             "miss_loss_ms_per_round": round(sum(r.get("draft_ms", 0.0) for r in misses) / max(1, len(rounds)), 1)}
 
 

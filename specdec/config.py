@@ -125,6 +125,10 @@ class OrchestratorConfig(ServiceConfig):
     # for a draft whose batched step does not scale (the llama.cpp Q4_1 draft on this CPU: 8 there);
     # 0 = no limit, the default: the int4 torch draft batches (BENCHMARKS.md §6)
     draft_token_budget: int = 0
+    # pipelined: when the target rejects a draft, stop the speculation running on the draft (it
+    # builds on the rejected draft) after its current step, so the next round's drafts start at
+    # once; false = let it run to its end and throw it away (as before; BENCHMARKS.md §6i)
+    cut_speculation_on_miss: bool = True
     default_mode: str = "pipelined"  # pipelined | sequential | target-only
     # draft sampling when a sampled request sets none; < 0 = the target's own temperature/top-k/top-p
     # (measured best for the default pair: BENCHMARKS.md, "Sampled requests")

@@ -23,7 +23,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from specdec.aio import cancelled_by_caller
+from specdec.aio import cancel_and_wait, cancelled_by_caller
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
@@ -180,16 +180,37 @@ class StreamSession:
 
 async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
                         handlers: dict[str, Callable[[object, StreamSession], Awaitable[object]]],
-                        close: Callable[[str], None]):
+                        close: Callable[[str], None],
+                        signals: dict[str, Callable[[object, StreamSession], None]] | None = None):
     """One session per bidirectional stream, shared by the target and draft services.
 
     The first message (`open`) opens the session; each later message is handled by
-    `handlers[kind](message, owner)`. When the stream ends, however it ends, `close` runs:
-    it is synchronous (the engine frees the session itself, after any work in flight), so
-    a cancellation of this handler cannot skip or abandon it. Errors are left to the
-    servicer's `@boundary`.
+    `handlers[kind](message, owner)`, one at a time and in order, each answered by one reply.
+    A message of a kind in `signals` (the draft's `cut`) is no call: it is handled as soon as
+    it arrives, while a call may be running, by `signals[kind](message, owner)` (synchronous),
+    and gets no reply. So the stream is read by a task of its own, ahead of the calls.
+    When the stream ends, however it ends, `close` runs: it is synchronous (the engine frees
+    the session itself, after any work in flight), so a cancellation of this handler cannot
+    skip or abandon it. Errors are left to the servicer's `@boundary`.
     """
     owner = StreamSession()
+    calls: asyncio.Queue = asyncio.Queue()  # the calls read and not handled yet; None = no more
+    reader = asyncio.ensure_future(_read_calls(request_iterator, context, signals or {}, owner, calls))
+    try:
+        while (req := await calls.get()) is not None:
+            kind = req.WhichOneof("kind")
+            yield await handlers[kind](getattr(req, kind), owner)
+        await reader  # the stream's end, or the error that ended the reading
+    finally:
+        await cancel_and_wait(reader)
+        if owner.session_id is not None:
+            close(owner.session_id)
+
+
+async def _read_calls(request_iterator, context: grpc.aio.ServicerContext,
+                      signals: dict[str, Callable[[object, StreamSession], None]], owner: StreamSession,
+                      calls: asyncio.Queue) -> None:
+    """Read a session stream: calls go to `calls` (in order), signals are handled at once."""
     opened = False
     try:
         async for req in request_iterator:
@@ -201,10 +222,12 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     "session already open on this stream" if opened else f"{kind} before open")
             opened = True
-            yield await handlers[kind](getattr(req, kind), owner)
+            if kind in signals:
+                signals[kind](getattr(req, kind), owner)
+            else:
+                calls.put_nowait(req)
     finally:
-        if owner.session_id is not None:
-            close(owner.session_id)
+        calls.put_nowait(None)
 
 
 # -- the server: health, reflection, graceful stop ---------------------------------------------------

@@ -44,6 +44,9 @@ class LocalDraftSession:
         p = await asyncio.wrap_future(self.engine.propose(self.sid, keep, list(append), k, seed))
         return DraftResult(p.token_ids, p.dists, p.draft_ms)
 
+    async def cut(self):
+        self.engine.cut(self.sid)
+
     async def close(self):
         self.engine.close(self.sid)
 

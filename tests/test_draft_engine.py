@@ -70,6 +70,28 @@ def test_proposals_after_any_rollback_equal_a_fresh_session(engine, k, accepted)
     assert third == fresh(engine, prompt + first[:n] + [correction] + second, k)
 
 
+def test_a_cut_propose_ends_after_its_current_step_and_the_session_goes_on_from_there(engine):
+    prompt = [1, 5, 9, 13, 2]
+    open_session(engine, "s", prompt)
+    full = fresh(engine, prompt, 12)
+    gate = threading.Event()
+    engine.loop.call(gate.wait)  # hold the model thread between steps, so the cut lands before a step
+    future = engine.propose("s", len(prompt), [], 12, 0)
+    engine.cut("s")
+    gate.set()
+    cut = future.result(10).token_ids
+    # the first token came from the prefill's logits without a step; the step in flight gave the second
+    assert cut == full[:2]
+    # the session holds prompt + that token: a pipelined propose on top of it drafts what a fresh one does
+    more = propose(engine, "s", len(prompt) + 2, [], 4)
+    assert more == fresh(engine, prompt + cut, 4)
+    engine.cut("s")  # no propose running: nothing happens, the next one drafts all it is asked
+    engine.cut("no-such-session")
+    held = prompt + cut + more
+    assert propose(engine, "s", len(held), [], 6) == fresh(engine, held, 6)
+    engine.close("s")
+
+
 def test_sessions_drafting_at_once_share_steps_and_match_drafting_alone(engine):
     prompts = [[1, 5, 9], [2, 4, 6, 8, 10], [3, 3, 3, 7]]
     alone = [fresh(engine, p, 6) for p in prompts]

@@ -80,6 +80,7 @@ class FakeDraft:
         self.world = world
         self.holds: list[int] = []
         self.closed = False
+        self.cutting = False  # a cut arrived for the propose in flight
 
     async def open(self, prompt_ids, sampling, target_fingerprint, target_vocab_size, max_tokens, max_draft) -> float:
         await asyncio.sleep(self.world.draft_open_s)
@@ -98,13 +99,21 @@ class FakeDraft:
         if speculative and w.empty_speculation:
             return DraftResult([], [], 0.5)
         out = []
+        self.cutting = False
         for _ in range(k):
+            await asyncio.sleep(w.draft_step_s)
             t = next_token(self.holds)
             if len(self.holds) in w.wrong_at:
                 t = t % (V - 1) + 1 if t % (V - 1) + 1 != t else 2
             self.holds.append(t)
             out.append(t)
+            if self.cutting:  # as the draft engine does: finish after the current step
+                break
         return DraftResult(out, [([t], [1.0]) for t in out], 0.5)
+
+    async def cut(self) -> None:
+        self.world.cuts += 1
+        self.cutting = True
 
     async def close(self) -> None:
         self.closed = True
@@ -126,9 +135,11 @@ class World:
     draft_comes_back_after_verifies: int = 0  # a down draft is offered again after this many verifies
     verify_s: float = 0.0
     draft_s: float = 0.0
+    draft_step_s: float = 0.0  # per drafted token, after draft_s
     draft_open_s: float = 0.0  # the draft's prefill
     verifies: int = 0
     draft_calls: int = 0
+    cuts: int = 0
     failures: list = field(default_factory=list)
     targets: list = field(default_factory=list)
     drafts: list = field(default_factory=list)
@@ -234,6 +245,31 @@ def test_a_rejection_mid_round_redrafts_from_the_right_place():
         tokens, rounds, summary = run(w, mode)
         assert tokens == reference(PROMPT, 40)
         assert 0 < summary.acceptance_rate < 1
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_rejection_cuts_the_speculation_still_drafting(cut):
+    # a draft 3x slower than the verify (20 ms a token against 5 ms a round, k = 4): when a
+    # round's draft is rejected, the speculation on top of it has drafted one token, not five
+    w = World(wrong_at={7, 20, 33}, draft_step_s=0.02, verify_s=0.005)
+    tokens, rounds, summary = run(w, Mode.PIPELINED, k=4,
+                                  config=OrchestratorConfig(probe_interval_s=0.0, cut_speculation_on_miss=cut))
+    assert tokens == reference(PROMPT, 40)  # the draft's `keep` checks what it holds after a cut
+    rejected = [r for r in rounds if r.accepted < r.k]
+    assert len(rejected) == 3
+    if cut:
+        assert w.cuts == 3
+        assert all(0 < r.wasted_draft_tokens < 5 for r in rejected)  # stopped after its current step
+    else:
+        assert w.cuts == 0
+        assert all(r.wasted_draft_tokens == 5 for r in rejected)
+
+
+def test_a_cut_comes_only_after_a_rejection():
+    w = World(wrong_at={9}, draft_step_s=0.005)  # a wrong bonus guess: every draft accepted
+    tokens, rounds, summary = run(w, Mode.PIPELINED, k=4)
+    assert tokens == reference(PROMPT, 40)
+    assert w.cuts == 0 and rounds[0].wasted_draft_tokens == 5
 
 
 @pytest.mark.parametrize("mode", [Mode.SEQUENTIAL, Mode.PIPELINED])

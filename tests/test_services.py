@@ -243,3 +243,22 @@ def test_a_corrupted_message_mid_session_ends_that_session_only(tiny_stack, serv
         assert ask(common_pb2.InfoRequest(), timeout=5).active_sessions == 0
     with Client(tiny_stack.address("orchestrator")) as c:
         _ok(c)
+
+
+def test_a_draft_cut_gets_no_reply_and_only_after_open(tiny_stack, smol_tokenizer):
+    """`cut` on the draft's session stream: refused before open; after open, with no propose in
+    flight, it does nothing and gets no reply: each propose still gets exactly its own reply."""
+    from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+    prompt = smol_tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    cut = draft_pb2.DraftRequest(cut=draft_pb2.DraftCut())
+    opening = draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
+        session_id="cut-1", prompt_token_ids=prompt, max_tokens=16, max_draft=4))
+    propose = draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(keep=len(prompt), k=4, seed=1))
+    with grpc.insecure_channel(tiny_stack.address("draft")) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        code, details = _code(lambda: list(stub.Session(iter([cut]), timeout=30)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "cut before open" in details
+        replies = list(stub.Session(iter([opening, cut, propose, cut]), timeout=30))
+        assert [r.WhichOneof("kind") for r in replies] == ["opened", "proposal"]
+        assert len(replies[1].proposal.token_ids) == 4

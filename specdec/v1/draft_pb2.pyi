@@ -55,13 +55,19 @@ class DraftProposal(_message.Message):
     draft_ms: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
 
+class DraftCut(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DraftRequest(_message.Message):
-    __slots__ = ("open", "propose")
+    __slots__ = ("open", "propose", "cut")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     open: DraftOpen
     propose: DraftPropose
-    def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ...) -> None: ...
+    cut: DraftCut
+    def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., propose: _Optional[_Union[DraftPropose, _Mapping]] = ..., cut: _Optional[_Union[DraftCut, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("opened", "proposal")

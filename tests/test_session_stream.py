@@ -1,0 +1,76 @@
+"""One session per stream (`specdec.rpc.serve_session`), without a network: calls are answered one
+at a time and in order; a signal (the draft's `cut`) is handled while a call is still running."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.rpc import StreamSession, serve_session
+from specdec.v1 import draft_pb2
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    async def abort(self, code, details):
+        raise Aborted(f"{code.name}: {details}")
+
+
+def request(kind: str) -> draft_pb2.DraftRequest:
+    return draft_pb2.DraftRequest(**{kind: getattr(draft_pb2, {"open": "DraftOpen", "propose": "DraftPropose",
+                                                               "cut": "DraftCut"}[kind])()})
+
+
+async def stream(*kinds: str):
+    for kind in kinds:
+        await asyncio.sleep(0)
+        yield request(kind)
+
+
+def serve(kinds: list[str], handlers, signals, closed: list) -> list:
+    async def go():
+        return [r async for r in serve_session(stream(*kinds), Context(), handlers, closed.append, signals)]
+    return asyncio.run(asyncio.wait_for(go(), 5))
+
+
+def test_a_signal_reaches_the_call_in_flight_and_gets_no_reply():
+    cut = asyncio.Event()
+    log = []
+
+    async def open_(msg, owner: StreamSession):
+        owner.session_id = "s"
+        return "opened"
+
+    async def propose(msg, owner):
+        log.append("propose waits")
+        await cut.wait()  # only a cut handled meanwhile lets it finish
+        return "proposal"
+
+    def on_cut(msg, owner):
+        log.append(f"cut {owner.session_id}")
+        cut.set()
+
+    closed = []
+    replies = serve(["open", "propose", "cut"], {"open": open_, "propose": propose}, {"cut": on_cut}, closed)
+    assert replies == ["opened", "proposal"]
+    assert log == ["propose waits", "cut s"]
+    assert closed == ["s"]
+
+
+@pytest.mark.parametrize("kinds, needle", [(["cut"], "cut before open"), (["propose"], "propose before open"),
+                                           (["open", "open"], "already open")])
+def test_a_stream_out_of_order_is_refused_and_the_session_closed(kinds, needle):
+    async def open_(msg, owner):
+        owner.session_id = "s"
+        return "opened"
+
+    async def propose(msg, owner):
+        return "proposal"
+
+    closed = []
+    with pytest.raises(Aborted, match=needle):
+        serve(kinds, {"open": open_, "propose": propose}, {"cut": lambda m, o: None}, closed)
+    assert closed == (["s"] if kinds[0] == "open" else [])
