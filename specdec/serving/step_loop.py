@@ -6,6 +6,10 @@ session's sequence, for example), so no sequence is freed while a forward uses i
 step whose sequences were all closed (`abandon`) stops at the runner's next layer instead
 of running to its end: a long prefill chunk (1.3 s for 128 prompt tokens of the int4
 draft on this CPU) does not keep a closed session's memory for its whole length.
+
+With a `ThreadGovernor` (specdec.serving.cores: borrowing the other service's core while it
+is idle), the loop says on the core board whether it has work, and lets the governor choose
+the threads before each step and between the runner's layers.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.serving.batch import BatchRunner, StepAborted
+from specdec.serving.cores import ThreadGovernor
 from specdec.serving.jobs import Command, Job
 from specdec.serving.scheduler import Scheduler
 
@@ -34,10 +39,11 @@ class StepRecord:
 
 class StepLoop:
     def __init__(self, runner: BatchRunner, scheduler: Scheduler, name: str = "model",
-                 on_step: Callable[[StepRecord], None] | None = None):
+                 on_step: Callable[[StepRecord], None] | None = None, governor: ThreadGovernor | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.on_step = on_step
+        self.governor = governor
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -73,6 +79,8 @@ class StepLoop:
         self._stopped.set()
         self._inbox.put(None)
         self._thread.join(timeout_s)
+        if self.governor is not None:
+            self.governor.close()
 
     # -- the model thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -84,7 +92,10 @@ class StepLoop:
 
     def step(self, block: bool = False) -> StepRecord | None:
         """Take in new work, run one forward over the next batch, hand out the logits."""
-        self._take_inbox(block and not len(self.scheduler))
+        idle = block and not len(self.scheduler)
+        if idle and self.governor is not None:
+            self.governor.busy(False)  # nothing to do until the inbox says otherwise
+        self._take_inbox(idle)
         for job in [j for j in self.scheduler.waiting if j.future.cancelled()]:  # nobody waits for it
             self.scheduler.waiting.remove(job)
         batch = self.scheduler.schedule()
@@ -94,9 +105,17 @@ class StepLoop:
         for job, _ in batch:
             job.started = job.started or t0
         seqs = [job.seq for job, _ in batch]
+
+        def between_layers() -> bool:  # -> abandon the step?
+            if self.governor is not None:
+                self.governor.adjust()
+            return all(s in self._abandoned for s in seqs)
+
+        if self.governor is not None:
+            self.governor.busy(True)
+            self.governor.adjust()
         try:
-            logits = self.runner.forward([chunk for _, chunk in batch],
-                                         stop=lambda: all(s in self._abandoned for s in seqs))
+            logits = self.runner.forward([chunk for _, chunk in batch], stop=between_layers)
         except Exception as e:  # noqa: BLE001 - the batch's jobs fail, the loop goes on
             if isinstance(e, StepAborted):
                 self.aborted_steps += 1
