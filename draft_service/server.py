@@ -73,7 +73,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer, Servicer):
 async def serve(cfg: DraftConfig) -> None:
     device = resolve_device(cfg.device)
     cfg = replace(cfg, engine=resolve_draft_engine(cfg.engine, device))
-    configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction, cfg.borrow_cores)
+    configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
     server = Server(cfg.host, cfg.port, [SERVICE_NAME], credentials=security.server_credentials(cfg))
     servicer = DraftServicer(cfg, device)
     add_servicer(server.server, servicer, SERVICE)

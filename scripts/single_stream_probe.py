@@ -26,9 +26,6 @@ from specdec.lab.workloads import default_prompts  # noqa: E402
 
 CONFIGS = {  # name -> (section, field, value) overrides of the embedded defaults
     "k8": [("orchestrator", "default_k", 8)],
-    # each service borrows the other's core while the other is idle (BENCHMARKS §6j)
-    "borrow": [("orchestrator", "default_k", 8), ("target", "borrow_cores", "1"), ("draft", "borrow_cores", "0")],
-    "borrow-draft": [("orchestrator", "default_k", 8), ("draft", "borrow_cores", "0")],  # the draft only
     "no-cut": [("orchestrator", "default_k", 8), ("orchestrator", "cut_speculation_on_miss", False)],  # as before §6i
     "bf16-head": [("draft", "int4_head", "bfloat16")],  # the int4 draft as it was before the int8 head
     "k2": [("orchestrator", "default_k", 2)],

@@ -56,12 +56,6 @@ class ModelServiceConfig(ServiceConfig):
     max_prefill_tokens: int = 128  # prompt tokens per step (longer prompts are prefilled in chunks)
     admission_wait_s: float = 10.0  # how long a new session waits for room in a full pool
     admission_queue: int = 64  # sessions that may wait at once; beyond, RESOURCE_EXHAUSTED at once
-    # CPU: the other model service's cores, which this one steps on too (num_threads + one thread
-    # each) while the other has no work; "" = none (specdec/serving/cores.py, BENCHMARKS.md §6j)
-    borrow_cores: str = ""
-    # the file both model services of a host map to say which one has work ("" = cores.DEFAULT_BOARD);
-    # two stacks side by side on one host that borrow cores need a board each
-    core_board: str = ""
     # torch engine on a GPU: small steps (decodes, verifies) replayed as CUDA graphs, padded up to
     # these batch sizes and tokens per sequence; larger steps run eagerly
     cuda_graphs: bool = True

@@ -57,16 +57,13 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def configure_process(device: str, cpu_cores: str | None, num_threads: int, gpu_memory_fraction: float,
-                      borrow_cores: str | None = None) -> dict:
-    """Apply placement; returns what was applied (for logs and /metrics). A service that borrows
-    the other's cores while it is idle (`borrow_cores`) may run on them too."""
+def configure_process(device: str, cpu_cores: str | None, num_threads: int, gpu_memory_fraction: float) -> dict:
+    """Apply placement; returns what was applied (for logs and /metrics)."""
     import torch
 
     applied: dict = {"device": device}
     cores = parse_cores(cpu_cores)
     if cores:
-        cores = sorted(set(cores) | set(parse_int_ranges(borrow_cores)))
         available = os.sched_getaffinity(0)
         usable = [c for c in cores if c in available] or sorted(available)
         os.sched_setaffinity(0, usable)

@@ -65,7 +65,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer, Servicer):
 
 async def serve(cfg: TargetConfig) -> None:
     device = resolve_device(cfg.device)
-    configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction, cfg.borrow_cores)
+    configure_process(device, cfg.cpu_cores, cfg.num_threads, cfg.gpu_memory_fraction)
     server = Server(cfg.host, cfg.port, [SERVICE_NAME], credentials=security.server_credentials(cfg))
     servicer = TargetServicer(cfg, device)
     add_servicer(server.server, servicer, SERVICE)

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-import torch
-
 from specdec.config import ModelServiceConfig
-from specdec.devices import parse_int_ranges
 from specdec.errors import FailedPrecondition, NotFound
 from specdec.serving.admission import Admission
 from specdec.serving.batch import BatchRunner
-from specdec.serving.cores import governor_for
 from specdec.serving.scheduler import Scheduler, SchedulerConfig
 from specdec.serving.step_loop import StepLoop
 
@@ -31,10 +27,8 @@ class PooledEngine(Generic[S]):
         self.runner = runner
         self.facts = runner.facts
         self.config = config
-        governor = governor_for(self.role, parse_int_ranges(config.borrow_cores), config.num_threads,
-                                config.core_board, getattr(runner, "set_threads", torch.set_num_threads))
         self.loop = StepLoop(runner, Scheduler(SchedulerConfig(config.max_step_tokens, config.max_prefill_tokens)),
-                             f"{self.role}-model", on_step, governor)
+                             f"{self.role}-model", on_step)
         self.admission = Admission(runner.blocks, config.admission_wait_s, config.admission_queue,
                                    f"{self.role} KV pool")
         self._sessions: dict[str, S] = {}

@@ -300,11 +300,6 @@ class LlamaCppRunner:
             return [torch.from_numpy(np.concatenate(rows) if rows else np.zeros((0, V), np.float32))
                     for rows in out]
 
-    def set_threads(self, n: int) -> None:
-        """Threads of the next decode calls (specdec.serving.cores: a borrowed core)."""
-        with self._lock:
-            self._L.llama_set_n_threads(self._ctx, n, n)
-
     def truncate(self, seq: int, length: int) -> None:
         """Drop cache entries at positions >= length (rollback)."""
         if length < 0:

@@ -6,10 +6,6 @@ session's sequence, for example), so no sequence is freed while a forward uses i
 step whose sequences were all closed (`abandon`) stops at the runner's next layer instead
 of running to its end: a long prefill chunk (1.3 s for 128 prompt tokens of the int4
 draft on this CPU) does not keep a closed session's memory for its whole length.
-
-With a `ThreadGovernor` (specdec.serving.cores: borrowing the other service's core while it
-is idle), the loop says on the core board whether it has work, and lets the governor choose
-the threads before each step and between the runner's layers.
 """
 from __future__ import annotations
 
@@ -22,7 +18,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.serving.batch import BatchRunner, StepAborted
-from specdec.serving.cores import ThreadGovernor
 from specdec.serving.jobs import Command, Job
 from specdec.serving.scheduler import Scheduler
 
@@ -39,11 +34,10 @@ class StepRecord:
 
 class StepLoop:
     def __init__(self, runner: BatchRunner, scheduler: Scheduler, name: str = "model",
-                 on_step: Callable[[StepRecord], None] | None = None, governor: ThreadGovernor | None = None):
+                 on_step: Callable[[StepRecord], None] | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.on_step = on_step
-        self.governor = governor
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -79,8 +73,6 @@ class StepLoop:
         self._stopped.set()
         self._inbox.put(None)
         self._thread.join(timeout_s)
-        if self.governor is not None:
-            self.governor.close()
 
     # -- the model thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -92,10 +84,7 @@ class StepLoop:
 
     def step(self, block: bool = False) -> StepRecord | None:
         """Take in new work, run one forward over the next batch, hand out the logits."""
-        idle = block and not len(self.scheduler)
-        if idle and self.governor is not None:
-            self.governor.busy(False)  # nothing to do until the inbox says otherwise
-        self._take_inbox(idle)
+        self._take_inbox(block and not len(self.scheduler))
         for job in [j for j in self.scheduler.waiting if j.future.cancelled()]:  # nobody waits for it
             self.scheduler.waiting.remove(job)
         batch = self.scheduler.schedule()
@@ -105,17 +94,9 @@ class StepLoop:
         for job, _ in batch:
             job.started = job.started or t0
         seqs = [job.seq for job, _ in batch]
-
-        def between_layers() -> bool:  # -> abandon the step?
-            if self.governor is not None:
-                self.governor.adjust()
-            return all(s in self._abandoned for s in seqs)
-
-        if self.governor is not None:
-            self.governor.busy(True)
-            self.governor.adjust()
         try:
-            logits = self.runner.forward([chunk for _, chunk in batch], stop=between_layers)
+            logits = self.runner.forward([chunk for _, chunk in batch],
+                                         stop=lambda: all(s in self._abandoned for s in seqs))
         except Exception as e:  # noqa: BLE001 - the batch's jobs fail, the loop goes on
             if isinstance(e, StepAborted):
                 self.aborted_steps += 1
