@@ -188,7 +188,9 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
     `handlers[kind](message, owner)`, one at a time and in order, each answered by one reply.
     A message of a kind in `signals` (the draft's `cut`) is no call: it is handled as soon as
     it arrives, while a call may be running, by `signals[kind](message, owner)` (synchronous),
-    and gets no reply. So the stream is read by a task of its own, ahead of the calls.
+    and gets no reply. So the stream is read by a task of its own, ahead of the calls, but by
+    one call at most: a client that sends calls without waiting for their replies is held back
+    by the stream's flow control, not buffered here.
     When the stream ends, however it ends, `close` runs: it is synchronous (the engine frees
     the session itself, after any work in flight), so a cancellation of this handler cannot
     skip or abandon it. Errors are left to the servicer's `@boundary`.
@@ -199,7 +201,9 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
     try:
         while (req := await calls.get()) is not None:
             kind = req.WhichOneof("kind")
-            yield await handlers[kind](getattr(req, kind), owner)
+            reply = await handlers[kind](getattr(req, kind), owner)
+            calls.task_done()
+            yield reply
         await reader  # the stream's end, or the error that ended the reading
     finally:
         await cancel_and_wait(reader)
@@ -225,6 +229,7 @@ async def _read_calls(request_iterator, context: grpc.aio.ServicerContext,
             if kind in signals:
                 signals[kind](getattr(req, kind), owner)
             else:
+                await calls.join()  # the call before this one has been handled
                 calls.put_nowait(req)
     finally:
         calls.put_nowait(None)

@@ -74,3 +74,34 @@ def test_a_stream_out_of_order_is_refused_and_the_session_closed(kinds, needle):
     with pytest.raises(Aborted, match=needle):
         serve(kinds, {"open": open_, "propose": propose}, {"cut": lambda m, o: None}, closed)
     assert closed == (["s"] if kinds[0] == "open" else [])
+
+
+def test_calls_sent_without_waiting_are_read_one_ahead_at_most():
+    pulled = []
+    release = asyncio.Event()
+
+    async def many():
+        for kind in ["open"] + ["propose"] * 10:
+            pulled.append(kind)
+            yield request(kind)
+
+    async def open_(msg, owner):
+        owner.session_id = "s"
+        return "opened"
+
+    async def propose(msg, owner):
+        if not release.is_set():
+            for _ in range(20):
+                await asyncio.sleep(0)  # the reader runs meanwhile
+            read_during_first_call.append(len(pulled))
+            release.set()
+        return "proposal"
+
+    read_during_first_call: list[int] = []
+
+    async def go():
+        return [r async for r in serve_session(many(), Context(), {"open": open_, "propose": propose}, lambda s: None)]
+
+    replies = asyncio.run(asyncio.wait_for(go(), 5))
+    assert replies == ["opened"] + ["proposal"] * 10
+    assert read_during_first_call == [3]  # open, the propose being handled, and the next one
