@@ -196,10 +196,12 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
     skip or abandon it. Errors are left to the servicer's `@boundary`.
     """
     owner = StreamSession()
-    calls: asyncio.Queue = asyncio.Queue()  # the calls read and not handled yet; None = no more
-    reader = asyncio.ensure_future(_read_calls(request_iterator, context, signals or {}, owner, calls))
+    calls: asyncio.Queue = asyncio.Queue()  # calls read and not handled yet, then a refusal or None (the end)
+    reader = asyncio.ensure_future(_read_calls(request_iterator, signals or {}, owner, calls))
     try:
         while (req := await calls.get()) is not None:
+            if isinstance(req, _Refusal):  # answered in order, after the calls read before it
+                await context.abort(req.code, req.details)
             kind = req.WhichOneof("kind")
             reply = await handlers[kind](getattr(req, kind), owner)
             calls.task_done()
@@ -211,20 +213,32 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
             close(owner.session_id)
 
 
-async def _read_calls(request_iterator, context: grpc.aio.ServicerContext,
-                      signals: dict[str, Callable[[object, StreamSession], None]], owner: StreamSession,
-                      calls: asyncio.Queue) -> None:
+@dataclass(frozen=True)
+class _Refusal:
+    """What ends a session stream that broke the protocol (the reader never aborts the RPC
+    itself: only the handler's task does, once, after the calls read before)."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+async def _read_calls(request_iterator, signals: dict[str, Callable[[object, StreamSession], None]],
+                      owner: StreamSession, calls: asyncio.Queue) -> None:
     """Read a session stream: calls go to `calls` (in order), signals are handled at once."""
     opened = False
     try:
         async for req in request_iterator:
-            await _refuse_malformed(req, context)
+            if isinstance(req, Malformed):
+                calls.put_nowait(_Refusal(grpc.StatusCode.INVALID_ARGUMENT, req.describe()))
+                return
             kind = req.WhichOneof("kind")
             if kind is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request")
+                calls.put_nowait(_Refusal(grpc.StatusCode.INVALID_ARGUMENT, "empty request"))
+                return
             if (kind == "open") == opened:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    "session already open on this stream" if opened else f"{kind} before open")
+                calls.put_nowait(_Refusal(grpc.StatusCode.FAILED_PRECONDITION, "session already open on this stream"
+                                          if opened else f"{kind} before open"))
+                return
             opened = True
             if kind in signals:
                 signals[kind](getattr(req, kind), owner)

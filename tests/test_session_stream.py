@@ -105,3 +105,33 @@ def test_calls_sent_without_waiting_are_read_one_ahead_at_most():
     replies = asyncio.run(asyncio.wait_for(go(), 5))
     assert replies == ["opened"] + ["proposal"] * 10
     assert read_during_first_call == [3]  # open, the propose being handled, and the next one
+
+
+def test_a_refusal_read_while_a_call_fails_is_not_a_second_abort():
+    """The reader sees a broken message while the call before it is running; that call then
+    fails. The RPC ends once, with the call's own error (grpc refuses a second abort)."""
+    class OnceContext(Context):
+        aborts = 0
+
+        async def abort(self, code, details):
+            OnceContext.aborts += 1
+            if OnceContext.aborts > 1:
+                raise RuntimeError("Abort already called!")
+            await super().abort(code, details)
+
+    class CallFailed(Exception):
+        pass
+
+    async def open_(msg, owner):
+        owner.session_id = "s"
+        for _ in range(20):
+            await asyncio.sleep(0)  # the reader reads the second open meanwhile
+        raise CallFailed("the open failed")
+
+    async def go():
+        return [r async for r in serve_session(stream("open", "open"), OnceContext(), {"open": open_},
+                                               lambda s: None)]
+
+    with pytest.raises(CallFailed):
+        asyncio.run(asyncio.wait_for(go(), 5))
+    assert OnceContext.aborts == 0
