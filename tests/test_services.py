@@ -247,18 +247,34 @@ def test_a_corrupted_message_mid_session_ends_that_session_only(tiny_stack, serv
 
 def test_a_draft_cut_gets_no_reply_and_only_after_open(tiny_stack, smol_tokenizer):
     """`cut` on the draft's session stream: refused before open; after open, with no propose in
-    flight, it does nothing and gets no reply: each propose still gets exactly its own reply."""
+    flight, it does nothing and gets no reply: each propose still gets exactly its own reply,
+    with every token it asked for."""
+    import threading
+
     from specdec.v1 import draft_pb2, draft_pb2_grpc
 
     prompt = smol_tokenizer("Hello there", add_special_tokens=False)["input_ids"]
     cut = draft_pb2.DraftRequest(cut=draft_pb2.DraftCut())
     opening = draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
         session_id="cut-1", prompt_token_ids=prompt, max_tokens=16, max_draft=4))
-    propose = draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(keep=len(prompt), k=4, seed=1))
+    replied = threading.Event()
+
+    def messages():
+        yield opening
+        yield cut  # nothing to cut yet
+        yield draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(keep=len(prompt), k=4, seed=1))
+        assert replied.wait(30)
+        yield cut  # the propose has ended: nothing to cut
+        yield draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(keep=len(prompt) + 4, k=4, seed=2))
+
     with grpc.insecure_channel(tiny_stack.address("draft")) as ch:
         stub = draft_pb2_grpc.DraftServiceStub(ch)
         code, details = _code(lambda: list(stub.Session(iter([cut]), timeout=30)))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "cut before open" in details
-        replies = list(stub.Session(iter([opening, cut, propose, cut]), timeout=30))
-        assert [r.WhichOneof("kind") for r in replies] == ["opened", "proposal"]
-        assert len(replies[1].proposal.token_ids) == 4
+        replies = []
+        for r in stub.Session(messages(), timeout=30):
+            replies.append(r)
+            if r.WhichOneof("kind") == "proposal":
+                replied.set()
+        assert [r.WhichOneof("kind") for r in replies] == ["opened", "proposal", "proposal"]
+        assert [len(r.proposal.token_ids) for r in replies[1:]] == [4, 4]
