@@ -23,7 +23,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from specdec.aio import cancel_and_wait, cancelled_by_caller
+from specdec.aio import cancelled_by_caller
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
@@ -198,6 +198,7 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
     owner = StreamSession()
     calls: asyncio.Queue = asyncio.Queue()  # calls read and not handled yet, then a refusal or None (the end)
     reader = asyncio.ensure_future(_read_calls(request_iterator, signals or {}, owner, calls))
+    reader.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: never logged as lost
     try:
         while (req := await calls.get()) is not None:
             if isinstance(req, _Refusal):  # answered in order, after the calls read before it
@@ -207,10 +208,10 @@ async def serve_session(request_iterator, context: grpc.aio.ServicerContext,
             calls.task_done()
             yield reply
         await reader  # the stream's end, or the error that ended the reading
-    finally:
-        await cancel_and_wait(reader)
+    finally:  # nothing awaited here: a cancelled handler must still close its session
         if owner.session_id is not None:
             close(owner.session_id)
+        reader.cancel()
 
 
 @dataclass(frozen=True)

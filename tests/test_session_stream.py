@@ -135,3 +135,39 @@ def test_a_refusal_read_while_a_call_fails_is_not_a_second_abort():
     with pytest.raises(CallFailed):
         asyncio.run(asyncio.wait_for(go(), 5))
     assert OnceContext.aborts == 0
+
+
+def test_a_handler_cancelled_mid_call_closes_its_session_at_once():
+    """The RPC is cancelled (a client gone, a deadline) while a call runs and the stream is still
+    open; grpc may cancel the handler again while it cleans up: the session is closed anyway."""
+    closed = []
+    started = asyncio.Event()
+
+    async def endless():
+        yield request("open")
+        yield request("propose")
+        await asyncio.Event().wait()  # the client neither sends more nor closes its side
+
+    async def open_(msg, owner):
+        owner.session_id = "s"
+        return "opened"
+
+    async def propose(msg, owner):
+        started.set()
+        await asyncio.sleep(10)
+
+    async def consume():
+        async for _ in serve_session(endless(), Context(), {"open": open_, "propose": propose}, closed.append):
+            pass
+
+    async def go():
+        task = asyncio.ensure_future(consume())
+        await started.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        task.cancel()  # again, during the cleanup
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(go(), 5))
+    assert closed == ["s"]
