@@ -32,6 +32,7 @@ import logging
 import random
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
@@ -279,7 +280,10 @@ class Orchestrator:
         self.config = config or OrchestratorConfig()
         self.default_mode = Mode.parse(self.config.default_mode)
         self.speculating = 0  # requests running in a speculative mode now (they share the draft)
-        self.costs = CostModel()  # what rounds cost, for adaptive k
+        # what rounds cost, for adaptive k, per mode: a pipelined round's draft and verify run at
+        # once and slow each other (their cores share caches and memory bandwidth), a sequential
+        # round's do not (BENCHMARKS.md §2a, §2c), so each mode learns and chooses from its own
+        self.costs: dict[Mode, CostModel] = defaultdict(CostModel)
         self.target_moves = 0  # requests moved to another target replica mid-request
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Event]:
@@ -361,7 +365,7 @@ class Orchestrator:
         return Run(req, sid, int(req.seed), self.backends.new_target_session(sid, req.deadline),
                    TextStream(self.decode, req.stop), set() if req.ignore_eos else set(self.backends.target.eos_token_ids),
                    time.perf_counter(), committed=list(req.prompt_ids),
-                   history=AcceptanceHistory(self.costs.acceptance))
+                   history=AcceptanceHistory(self.costs[req.mode].acceptance))
 
     async def _open(self, run: Run) -> Event:
         """Prefill the target, the draft's session opening alongside; emit the first token as
@@ -502,7 +506,7 @@ class Orchestrator:
         k_max = max(0, min(self._k_under_load(run), run.remaining - 1, room))
         if not run.req.adaptive_k or run.draft is None:
             return k_max
-        return self.costs.choose(run.req.mode, k_max, run.history, run.rounds_without)
+        return self.costs[run.req.mode].choose(run.req.mode, k_max, run.history, run.rounds_without)
 
     async def _get_drafts(self, run: Run, k: int) -> Drafts:
         ready, run.ready = run.ready, None
@@ -514,7 +518,7 @@ class Orchestrator:
         res = await self._draft_call(run, run.draft.propose(keep, run.committed[keep:], k, run.next_seed()))
         if res is None:
             return Drafts()
-        self.costs.observe_draft(res.draft_ms, len(res.token_ids))
+        self.costs[run.req.mode].observe_draft(res.draft_ms, len(res.token_ids))
         run.draft_holds = run.committed + res.token_ids
         return Drafts(res.token_ids, res.dists, res.draft_ms)
 
@@ -563,7 +567,7 @@ class Orchestrator:
         res = await self._draft_call(run, spec.task)
         if res is None:
             return rec
-        self.costs.observe_draft(res.draft_ms, len(res.token_ids))
+        self.costs[run.req.mode].observe_draft(res.draft_ms, len(res.token_ids))
         run.draft_holds = run.committed + drafts.tokens + res.token_ids
         rec.spec_wait_ms = max(0.0, res.finished - t_verified) * 1e3
         rec.overlap_ms = max(0.0, min(t_verified, res.finished) - max(t_verify, res.started)) * 1e3
@@ -575,7 +579,7 @@ class Orchestrator:
 
     def _learn(self, run: Run, rec: RoundRecord, verify_rtt_ms: float) -> None:
         """What adaptive k learns from a verified round: its cost, and the request's acceptance."""
-        self.costs.observe_round(rec.k, rec.accepted, verify_rtt_ms)
+        self.costs[run.req.mode].observe_round(rec.k, rec.accepted, verify_rtt_ms)
         if rec.k:
             run.history.record(rec.k, rec.accepted)
         run.rounds_without = run.rounds_without + 1 if rec.k == 0 and run.draft is not None else 0

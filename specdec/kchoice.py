@@ -101,7 +101,8 @@ class AcceptanceHistory:
 
 @dataclass
 class CostModel:
-    """Running averages of what rounds cost, shared by the requests of one orchestrator."""
+    """Running averages of what rounds cost, shared by the requests of one mode in one orchestrator
+    (the orchestrator keeps one per mode: a pipelined round's draft and verify slow each other)."""
 
     draft_ms_per_token: float | None = None
     verify_ms_by_k: dict[int, float] = field(default_factory=dict)

@@ -122,3 +122,25 @@ def test_a_request_turns_adaptive_k_on_or_off_over_the_servers_default(server_de
             # the full k, clipped only by what is left (k <= remaining - 1) in the last rounds
             assert all(k == 8 for k in late[:-8]) and 0 not in late[:-1], (asked, late)
         assert closed_everything(w)
+
+
+def test_each_mode_learns_its_own_costs():
+    # a pipelined round's draft and verify run at once and slow each other on a CPU, a sequential
+    # round's do not: one orchestrator keeps a cost model per mode, each fed by its own rounds only
+    import asyncio
+
+    from orchestrator.engine import GenerationRequest, Orchestrator
+
+    w = World(verify_s=0.002, draft_s=0.001)
+    orch = Orchestrator(w, decode=lambda ids: "", config=OrchestratorConfig(probe_interval_s=0.0))
+
+    async def go(mode, k):
+        async for _ in orch.generate(GenerationRequest(PROMPT, 30, k=k, mode=mode, ignore_eos=True)):
+            pass
+
+    asyncio.run(go(PIPE, 6))
+    assert set(orch.costs) == {PIPE} and orch.costs[PIPE].draft_ms_per_token is not None
+    asyncio.run(go(SEQ, 3))
+    assert set(orch.costs) == {PIPE, SEQ}
+    assert max(orch.costs[SEQ].verify_ms_by_k) <= 3 < max(orch.costs[PIPE].verify_ms_by_k)
+    assert orch.costs[SEQ].draft_ms_per_token is not None
