@@ -10,15 +10,13 @@
 """
 import argparse
 import json
-import statistics
 import sys
-import time
 
 sys.path.insert(0, ".")
 import torch  # noqa: E402
 
 from specdec import hf_compat, models  # noqa: E402
-from specdec.lab.steps import VARIANTS, load  # noqa: E402
+from specdec.lab.steps import VARIANTS, load, median_ms  # noqa: E402
 from specdec.lab.workloads import mixed_workload  # noqa: E402
 from specdec.serving.batch import SeqChunk  # noqa: E402
 from specdec.serving.int4 import Int8Weight  # noqa: E402
@@ -27,17 +25,6 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--prompts", type=int, default=8)
 a = ap.parse_args()
 torch.set_num_threads(1)
-
-
-def median_ms(f, reps: int = 15) -> float:
-    for _ in range(3):
-        f()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 2)
 
 
 w = torch.randn(576, 49152) * 0.05  # [in, out]

@@ -16,6 +16,18 @@ CONTEXT = 300
 SHAPES = ((1, 1), (4, 1), (8, 1), (16, 1), (1, 9), (4, 9), (8, 9), (16, 9))
 
 
+def median_ms(f, reps: int = 15, warmup: int = 3) -> float:
+    """Median wall ms of `reps` calls of f(), after `warmup` calls (the probes in scripts/)."""
+    for _ in range(warmup):
+        f()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 2)
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
