@@ -2,7 +2,7 @@
 
 Exactness: for 10 prompts from ShareGPT and HumanEval, 64 greedy tokens each, one request at
 a time (so at the full k = 8), every mode outputs exactly what transformers `generate` outputs
-with the target alone. All 20 prompts, 8 clients at once (k shared out under load), are in
+with the target alone, with fixed and with adaptive k. All 20 prompts, 8 clients at once (k shared out under load), are in
 test_serving_e2e.py.
 """
 from __future__ import annotations
@@ -23,14 +23,19 @@ from specdec import Client
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("mode", ["target-only", "sequential", "pipelined"])
-def test_greedy_output_identical_to_transformers_generate(default_stack, prompts, references, mode):
+@pytest.mark.parametrize("mode,adaptive_k", [("target-only", False), ("sequential", False), ("pipelined", False),
+                                             ("sequential", True), ("pipelined", True)],
+                         ids=["target-only", "sequential", "pipelined", "sequential-adaptive-k", "pipelined-adaptive-k"])
+def test_greedy_output_identical_to_transformers_generate(default_stack, prompts, references, mode, adaptive_k):
+    """adaptive k (k <= 8 chosen per round from the measured costs, 0 included) changes only the
+    rounds, never a token."""
     addr = default_stack.address("orchestrator")
     prompts = prompts[:10]
     with Client(addr) as c:
         mismatches = []
         for pid, ids in prompts:
-            res = c.complete(token_ids=ids, max_tokens=NEW_TOKENS, ignore_eos=True, mode=mode, k=8)
+            res = c.complete(token_ids=ids, max_tokens=NEW_TOKENS, ignore_eos=True, mode=mode, k=8,
+                             adaptive_k=adaptive_k)
             assert len(res.token_ids) == NEW_TOKENS
             if res.token_ids != references[pid]:
                 mismatches.append(pid)

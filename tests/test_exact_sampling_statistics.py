@@ -323,6 +323,8 @@ CASES = [
     Case("T1,k8/greedy-sequential-mnt3", SP(1.0, top_k=8), SP(0.0), SEQ, k=2, max_tokens=3, window=3),
     # adaptive k: each round drafts 0, 1 or 2 tokens as the cost model decides
     Case("T1/T1-sequential-adaptive-k", SP(1.0), SP(1.0), SEQ, k=2, max_tokens=4, window=3, adaptive_k=True),
+    # and in the pipeline, where a hit's drafts are cut to the k chosen for the next round
+    Case("T1/T1-pipelined-adaptive-k", SP(1.0), SP(1.0), PIPE, k=2, max_tokens=5, window=4, adaptive_k=True),
 ]
 
 
