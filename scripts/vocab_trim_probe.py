@@ -14,9 +14,9 @@ sampled draft's q is zero outside the kept rows), only speed. This measures both
    ShareGPT/HumanEval prompts, chat template): the draft's argmax over the whole vocabulary, and
    restricted to each kept set (its logits elsewhere masked: what a trimmed head proposes).
 4. The draft's one-token step (median ms after 300 cached tokens: specdec.lab.steps.time_shape),
-   and the cost model's consequence on a draft-bound pipeline (the draft's k + 1 steps per round longer than the verify, as on this machine): tokens
-   per round E(8) at the measured agreement, over (k + 1) draft steps of the step time less the
-   head's saving, against the full head.
+   and the cost model's consequence on a draft-bound pipeline (the draft's k + 1 steps per round
+   longer than the verify, as on this machine): tokens per round E(8) at the measured agreement,
+   over (k + 1) draft steps of the step time less the head's saving, against the full head.
 Prints one JSON object.
 """
 import argparse
@@ -34,7 +34,8 @@ from specdec.lab.steps import VARIANTS, load, median_ms, time_shape  # noqa: E40
 from specdec.serving.batch import SeqChunk  # noqa: E402
 from specdec.serving.int4 import Int8Weight  # noqa: E402
 
-KEPT = (49152, 32768, 24576, 16384, 8192)
+V = 49152  # SmolLM2's vocabulary
+KEPT = (V, 32768, 24576, 16384, 8192)
 K = 8
 
 ap = argparse.ArgumentParser()
@@ -45,7 +46,7 @@ torch.set_num_threads(1)
 
 
 # 1. the head matmul, one row, per kept size
-w = torch.randn(576, 49152) * 0.05  # [hidden, V]
+w = torch.randn(576, V) * 0.05  # [hidden, V]
 x = torch.randn(1, 576).to(torch.bfloat16)  # [1, hidden]
 head_ms = {}
 for n in KEPT:
@@ -64,8 +65,8 @@ for i, conv in enumerate(workloads.iter_json_array(workloads.sharegpt_path())):
 ranked = [t for t, _ in freq.most_common()]
 kept_masks = {}
 for n in KEPT:
-    m = torch.zeros(49152, dtype=torch.bool)  # [V]: True = kept
-    m[torch.tensor(ranked[:n] if n < 49152 else range(49152))] = True
+    m = torch.zeros(V, dtype=torch.bool)  # [V]: True = kept
+    m[torch.tensor(ranked[:n] if n < V else range(V))] = True
     kept_masks[n] = m
 
 # 3. agreement over the target's own greedy continuations
@@ -105,10 +106,10 @@ step_ms = time_shape(draft, 1, 1, 30)  # one sequence, one new token, after CONT
 rate = {}
 for n in KEPT:
     acc = agree[n] / positions
-    d = step_ms - (head_ms[49152] - head_ms[n])
+    d = step_ms - (head_ms[V] - head_ms[n])
     rate[n] = {"agreement": round(acc, 4), "step_ms": round(d, 2), "E8": round(expected_tokens([acc], K), 2),
                "tokens_per_s_draft_bound": round(1e3 * expected_tokens([acc], K) / ((K + 1) * d), 1)}
-full = rate[49152]["tokens_per_s_draft_bound"]
+full = rate[V]["tokens_per_s_draft_bound"]
 for n in KEPT:
     rate[n]["vs_full_head"] = round(rate[n]["tokens_per_s_draft_bound"] / full, 3)
 print(json.dumps({"command": "python scripts/vocab_trim_probe.py " + " ".join(sys.argv[1:]),

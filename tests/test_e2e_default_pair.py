@@ -2,8 +2,8 @@
 
 Exactness: for 10 prompts from ShareGPT and HumanEval, 64 greedy tokens each, one request at
 a time (so at the full k = 8), every mode outputs exactly what transformers `generate` outputs
-with the target alone, with fixed and with adaptive k. All 20 prompts, 8 clients at once (k shared out under load), are in
-test_serving_e2e.py.
+with the target alone, with fixed and with adaptive k. All 20 prompts, 8 clients at once (k
+shared out under load), are in test_serving_e2e.py.
 """
 from __future__ import annotations
 
