@@ -111,6 +111,45 @@ def test_a_full_pool_refuses_after_the_wait_and_leaves_nothing_behind():
     assert bm.stats().reserved_blocks == 8 and adm.waiting == 0 and adm.refused == 3
 
 
+class FreedJustAfterTheTry(BlockManager):
+    """A model thread that frees the closed session's sequence right after a newcomer's first try
+    found the pool full (the race that CI hit: the newcomer then saw nothing releasing, refused)."""
+
+    def __init__(self, adm_of, closed: int, **kw):
+        super().__init__(**kw)
+        self.adm_of, self.closed, self.tries = adm_of, closed, 0
+
+    def reserve(self, tokens: int) -> int:
+        self.tries += 1
+        try:
+            return super().reserve(tokens)
+        except PoolFull:
+            if self.tries == 2:  # the newcomer's first try (the first was the closed session's own)
+                self.free(self.closed)
+                self.adm_of().released()
+            raise
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 5.0], ids=["no-queue", "queue"])
+def test_room_freed_between_the_try_and_the_wait_admits_the_newcomer_at_once(wait_s):
+    adm: list[Admission] = []
+    bm = FreedJustAfterTheTry(lambda: adm[0], closed=0, num_blocks=8, block_size=4, max_seqs=1)
+    adm.append(Admission(bm, wait_s=wait_s, max_waiting=4))
+
+    async def go():
+        assert await adm[0].reserve(8) == 0  # the only sequence slot
+        adm[0].releasing()  # its session was closed; the model thread frees it (in bm.reserve above)
+        t0 = time.monotonic()
+        seq = await adm[0].reserve(8)
+        return seq, time.monotonic() - t0
+
+    seq, waited = asyncio.run(go())
+    assert seq == 0 and waited < 0.5 and adm[0].refused == 0
+    adm[0].wait_s = 0.0  # now nothing is releasing: refused at once
+    with pytest.raises(ResourceExhausted, match="1 of 1 sequences"):  # the message names what is full
+        asyncio.run(adm[0].reserve(8))
+
+
 def test_waiters_are_admitted_in_order():
     bm = BlockManager(num_blocks=4, block_size=4, max_seqs=8)
     adm = Admission(bm, wait_s=5.0, max_waiting=8)

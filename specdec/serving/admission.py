@@ -56,12 +56,13 @@ class Admission:
             self.refused += 1
             raise ResourceExhausted(f"the request needs {tokens} tokens of KV but the whole {self.what} holds "
                                     f"{self.blocks.capacity_tokens}")
+        releasing = self._releasing  # read before trying: the model thread may free them meanwhile
         if not self._waiting or self.wait_s <= 0:  # FIFO: no overtaking a queue (there is none without waits)
             try:
                 return self.blocks.reserve(tokens)
             except PoolFull:
                 pass
-        wait_s = self.wait_s if self.wait_s > 0 else (RELEASE_WAIT_S if self._releasing else 0.0)
+        wait_s = self.wait_s if self.wait_s > 0 else (RELEASE_WAIT_S if releasing or self._releasing else 0.0)
         if len(self._waiting) >= self.max_waiting or wait_s <= 0:
             self.refused += 1
             raise ResourceExhausted(f"the {self.what} is full ({self._usage()}) and "
@@ -69,6 +70,7 @@ class Admission:
                                        else "this service does not queue"))
         waiter = _Waiter(tokens, self._loop.create_future())
         self._waiting.append(waiter)
+        self._admit()  # room freed since the try above found no waiter to admit
         try:
             seq = await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
         except asyncio.TimeoutError:
@@ -106,4 +108,5 @@ class Admission:
 
     def _usage(self) -> str:
         s = self.blocks.stats()
-        return f"{s.reserved_blocks} of {s.num_blocks} blocks of {s.block_size} tokens reserved"
+        return (f"{s.reserved_blocks} of {s.num_blocks} blocks of {s.block_size} tokens reserved, "
+                f"{s.sequences} of {self.blocks.max_seqs} sequences")
