@@ -12,7 +12,7 @@ from specdec import metrics, security
 from specdec.config import DraftConfig
 from specdec.devices import configure_process, resolve_device, resolve_draft_engine
 from specdec.errors import InvalidArgument
-from specdec.rpc import Server, Servicer, add_servicer, StreamSession, boundary, model_info, sampling_from_proto, serve_session
+from specdec.rpc import ModelServicer, Server, add_servicer, StreamSession, boundary, sampling_from_proto, serve_session
 from specdec.serving.runners import load_runner
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -29,20 +29,11 @@ def make_engine(cfg: DraftConfig, device: str) -> DraftEngine | NgramDraftEngine
     raise InvalidArgument(f"unknown draft engine {cfg.engine!r}: use llamacpp, torch or ngram")
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer, Servicer):
+class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     loading = "the draft model is loading"
 
-    def __init__(self, cfg: DraftConfig, device: str, engine: DraftEngine | NgramDraftEngine | None = None):
-        self.cfg, self.device = cfg, device
-        self.engine = engine  # None while the model loads: RPCs answer UNAVAILABLE
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None
-
-    @boundary
-    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return model_info(self.engine, self.device)
+    cfg: DraftConfig
+    engine: DraftEngine | NgramDraftEngine | None  # None while the model loads: RPCs answer UNAVAILABLE
 
     @boundary
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):

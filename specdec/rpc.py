@@ -167,6 +167,24 @@ def boundary(method):
     return unary
 
 
+class ModelServicer(Servicer):
+    """Base of the model services (target, draft): an engine over a model, None while it loads
+    (then every RPC answers UNAVAILABLE), and `Info` from it. List it before the generated
+    servicer base, whose `Info` answers UNIMPLEMENTED."""
+
+    def __init__(self, cfg, device: str, engine=None):
+        self.cfg, self.device = cfg, device
+        self.engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @boundary
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        return model_info(self.engine, self.device)
+
+
 # -- one session per stream -------------------------------------------------------------------------
 
 @dataclass

@@ -11,8 +11,8 @@ from specdec.config import TargetConfig
 from specdec.devices import configure_process, resolve_device
 from specdec.errors import InvalidArgument
 from specdec.serving.runners import load_runner
-from specdec.rpc import Server, Servicer, add_servicer, StreamSession, boundary, model_info, sampling_from_proto, serve_session
-from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.rpc import ModelServicer, Server, add_servicer, StreamSession, boundary, sampling_from_proto, serve_session
+from specdec.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
 log = logging.getLogger("specdec.target")
@@ -20,20 +20,11 @@ SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 SERVICE_NAME = SERVICE.full_name
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer, Servicer):
+class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     loading = "the target model is loading"
 
-    def __init__(self, cfg: TargetConfig, device: str, engine: TargetEngine | None = None):
-        self.cfg, self.device = cfg, device
-        self.engine = engine  # None while the model loads: RPCs answer UNAVAILABLE
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None
-
-    @boundary
-    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return model_info(self.engine, self.device)
+    cfg: TargetConfig
+    engine: TargetEngine | None  # None while the model loads: RPCs answer UNAVAILABLE
 
     @boundary
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
