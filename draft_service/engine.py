@@ -8,9 +8,10 @@
 Both answer the same calls: `open` (admission), `prefill`, `propose`, `cut`, `close`. A
 session holds the tokens the orchestrator says it holds; `propose(keep, append, k)` keeps the
 first `keep`, appends `append`, then drafts k tokens, each sampled from exactly the sparse q~
-returned with it. `cut` makes the propose in flight finish after its current draft step, with
-the tokens drafted so far (the session holds just those): the orchestrator cuts a speculation
-that a rejection has made useless.
+returned with it (with `guess_first`, the first is the most likely token instead: a
+speculation's guess of the target's bonus token). `cut` makes the propose in flight finish
+after its current draft step, with the tokens drafted so far (the session holds just those):
+the orchestrator cuts a speculation that a rejection has made useless.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from specdec.serving.engine import PooledEngine
 from specdec.serving.jobs import Job
 
 MAX_K = 64
+GREEDY = SamplingParams()
 LONG_FEED = 64  # a propose that must first feed more tokens than this (after a fallback) is chunked like a prompt
 SparseDist = tuple[list[int], list[float]]
 
@@ -90,12 +92,13 @@ class _Prefill(Job):
 
 
 class _Propose(Job):
-    """Feed what the cache lacks, then sample k tokens, feeding each but the last."""
+    """Feed what the cache lacks, then sample k tokens, feeding each but the last (the first is the
+    most likely token when guess_first)."""
 
-    def __init__(self, s: _Session, k: int, generator: torch.Generator):
+    def __init__(self, s: _Session, k: int, generator: torch.Generator, guess_first: bool = False):
         feed = s.tokens[s.cached:]
         super().__init__(s.seq, s.cached, feed, 1 if feed else 0)
-        self.s, self.k, self.generator = s, k, generator
+        self.s, self.k, self.generator, self.guess_first = s, k, generator, guess_first
         self.drafted: list[int] = []
         self.dists: list[SparseDist] = []
         self.cut = False  # set by DraftEngine.cut (event loop), read after each draft step (model thread)
@@ -112,7 +115,8 @@ class _Propose(Job):
         self.sample(logits[-1])
 
     def sample(self, logits: torch.Tensor) -> None:  # logits [V]
-        tok, ids, q = draft_token(logits, self.s.sampling, self.s.max_support, self.generator)
+        sampling = GREEDY if self.guess_first and not self.drafted else self.s.sampling
+        tok, ids, q = draft_token(logits, sampling, self.s.max_support, self.generator)
         self.s.tokens.append(tok)
         self.drafted.append(tok)
         self.dists.append((ids.tolist(), q.tolist()))
@@ -146,7 +150,8 @@ class DraftEngine(PooledEngine[_Session]):
         """-> Future[float]: the prompt's milliseconds."""
         return self.loop.submit(_Prefill(self._get(session_id)))
 
-    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int) -> Future:
+    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int,
+                guess_first: bool = False) -> Future:
         """-> Future[Proposal]."""
         s = self._get(session_id)
         check_propose(len(s.tokens), keep, append, k, self.facts.vocab_size)
@@ -163,7 +168,7 @@ class DraftEngine(PooledEngine[_Session]):
             s.cached -= 1  # feed the last token again
         if s.cached < cached:
             self.loop.call(self.runner.truncate, s.seq, s.cached)  # in the model thread, before the job
-        job = s.proposing = _Propose(s, k, make_generator(seed))
+        job = s.proposing = _Propose(s, k, make_generator(seed), guess_first)
         return job.future if job.done else self.loop.submit(job)
 
     def cut(self, session_id: str) -> None:
@@ -209,7 +214,8 @@ class NgramDraftEngine:
         self._get(session_id)
         return _done(0.0)
 
-    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int) -> Future:
+    def propose(self, session_id: str, keep: int, append: list[int], k: int, seed: int,
+                guess_first: bool = False) -> Future:
         toks = self._get(session_id)
         check_propose(len(toks), keep, append, k, 0)
         t0 = time.perf_counter()

@@ -208,10 +208,10 @@ class GrpcDraftSession(_ReplicaSession):
             max_support=self.max_support, max_tokens=max_tokens, max_draft=max_draft)), AT_OPEN)
         return r.opened.prefill_ms
 
-    async def propose(self, keep, append, k, seed) -> DraftResult:
+    async def propose(self, keep, append, k, seed, guess_first=False) -> DraftResult:
         t0 = time.perf_counter()
         r = await self._ask(draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(
-            keep=keep, append_token_ids=append, k=k, seed=seed)), IN_ROUND)
+            keep=keep, append_token_ids=append, k=k, seed=seed, guess_first=guess_first)), IN_ROUND)
         rtt = (time.perf_counter() - t0) * 1e3
         p = r.proposal
         metrics.RPC_LATENCY.labels("draft").observe(max(0.0, rtt - p.draft_ms) / 1e3)

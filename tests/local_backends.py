@@ -40,8 +40,8 @@ class LocalDraftSession:
                                max_tokens, max_draft)
         return await asyncio.wrap_future(self.engine.prefill(self.sid))
 
-    async def propose(self, keep, append, k, seed) -> DraftResult:
-        p = await asyncio.wrap_future(self.engine.propose(self.sid, keep, list(append), k, seed))
+    async def propose(self, keep, append, k, seed, guess_first=False) -> DraftResult:
+        p = await asyncio.wrap_future(self.engine.propose(self.sid, keep, list(append), k, seed, guess_first))
         return DraftResult(p.token_ids, p.dists, p.draft_ms)
 
     async def cut(self):

@@ -104,6 +104,25 @@ def test_sessions_drafting_at_once_share_steps_and_match_drafting_alone(engine):
     assert engine.loop.steps - steps < 3 * 6  # the three sessions' draft steps went into shared forwards
 
 
+def test_a_guess_first_propose_starts_with_the_most_likely_token_and_samples_the_rest(engine):
+    # a speculation's first token guesses the target's bonus token: the draft's argmax, not a
+    # sample (a sample matches a sampled bonus less often); the tokens after it are samples
+    prompt = [1, 5, 9, 13, 2]
+    greedy = fresh(engine, prompt, 1)[0]
+    asyncio.run(engine.open("s", prompt, SamplingParams(temperature=5.0), engine.facts.fingerprint,
+                            engine.facts.vocab_size, 0, 64, 8))
+    engine.prefill("s").result(10)
+    guessed, sampled = [], []
+    for seed in range(24):
+        g = engine.propose("s", len(prompt), [], 3, seed, True).result(10)
+        assert g.dists[0] == ([greedy], [1.0]) and len(g.dists[1][0]) > 1  # one-hot guess, sampled rest
+        guessed.append(tuple(g.token_ids))
+        sampled.append(engine.propose("s", len(prompt), [], 3, seed).result(10).token_ids[0])
+    engine.close("s")
+    assert {t[0] for t in guessed} == {greedy}
+    assert len(set(sampled)) > 1 and len({t[1:] for t in guessed}) > 1  # the test can tell a sample
+
+
 def test_engine_errors(model):
     e = DraftEngine(PagedLlamaRunner.from_hf_model(model, num_blocks=64, block_size=4, max_seqs=1),
                     DraftConfig(max_sessions=1)).start()

@@ -87,7 +87,7 @@ class FakeDraft:
         self.holds = list(prompt_ids)
         return 1.0
 
-    async def propose(self, keep, append, k, seed) -> DraftResult:
+    async def propose(self, keep, append, k, seed, guess_first=False) -> DraftResult:
         w = self.world
         w.draft_calls += 1
         assert 0 <= keep <= len(self.holds), (keep, len(self.holds))

@@ -16,7 +16,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe4\x01\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12$\n\x1ctarget_tokenizer_fingerprint\x18\x04 \x01(\t\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_support\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x11\n\tmax_draft\x18\x08 \x01(\x05\"!\n\x0b\x44raftOpened\x12\x12\n\nprefill_ms\x18\x01 \x01(\x01\"O\n\x0c\x44raftPropose\x12\x0c\n\x04keep\x18\x01 \x01(\x05\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"c\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\"\n\n\x08\x44raftCut\"\x8f\x01\n\x0c\x44raftRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftOpenH\x00\x12+\n\x07propose\x18\x02 \x01(\x0b\x32\x18.specdec.v1.DraftProposeH\x00\x12#\n\x03\x63ut\x18\x03 \x01(\x0b\x32\x14.specdec.v1.DraftCutH\x00\x42\x06\n\x04kind\"q\n\rDraftResponse\x12)\n\x06opened\x18\x01 \x01(\x0b\x32\x17.specdec.v1.DraftOpenedH\x00\x12-\n\x08proposal\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftProposalH\x00\x42\x06\n\x04kind2\x8a\x01\n\x0c\x44raftService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe4\x01\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12$\n\x1ctarget_tokenizer_fingerprint\x18\x04 \x01(\t\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bmax_support\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x11\n\tmax_draft\x18\x08 \x01(\x05\"!\n\x0b\x44raftOpened\x12\x12\n\nprefill_ms\x18\x01 \x01(\x01\"d\n\x0c\x44raftPropose\x12\x0c\n\x04keep\x18\x01 \x01(\x05\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x13\n\x0bguess_first\x18\x05 \x01(\x08\"c\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\"\n\n\x08\x44raftCut\"\x8f\x01\n\x0c\x44raftRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftOpenH\x00\x12+\n\x07propose\x18\x02 \x01(\x0b\x32\x18.specdec.v1.DraftProposeH\x00\x12#\n\x03\x63ut\x18\x03 \x01(\x0b\x32\x14.specdec.v1.DraftCutH\x00\x42\x06\n\x04kind\"q\n\rDraftResponse\x12)\n\x06opened\x18\x01 \x01(\x0b\x32\x17.specdec.v1.DraftOpenedH\x00\x12-\n\x08proposal\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftProposalH\x00\x42\x06\n\x04kind2\x8a\x01\n\x0c\x44raftService\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x42\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -28,15 +28,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTOPENED']._serialized_start=294
   _globals['_DRAFTOPENED']._serialized_end=327
   _globals['_DRAFTPROPOSE']._serialized_start=329
-  _globals['_DRAFTPROPOSE']._serialized_end=408
-  _globals['_DRAFTPROPOSAL']._serialized_start=410
-  _globals['_DRAFTPROPOSAL']._serialized_end=509
-  _globals['_DRAFTCUT']._serialized_start=511
-  _globals['_DRAFTCUT']._serialized_end=521
-  _globals['_DRAFTREQUEST']._serialized_start=524
-  _globals['_DRAFTREQUEST']._serialized_end=667
-  _globals['_DRAFTRESPONSE']._serialized_start=669
-  _globals['_DRAFTRESPONSE']._serialized_end=782
-  _globals['_DRAFTSERVICE']._serialized_start=785
-  _globals['_DRAFTSERVICE']._serialized_end=923
+  _globals['_DRAFTPROPOSE']._serialized_end=429
+  _globals['_DRAFTPROPOSAL']._serialized_start=431
+  _globals['_DRAFTPROPOSAL']._serialized_end=530
+  _globals['_DRAFTCUT']._serialized_start=532
+  _globals['_DRAFTCUT']._serialized_end=542
+  _globals['_DRAFTREQUEST']._serialized_start=545
+  _globals['_DRAFTREQUEST']._serialized_end=688
+  _globals['_DRAFTRESPONSE']._serialized_start=690
+  _globals['_DRAFTRESPONSE']._serialized_end=803
+  _globals['_DRAFTSERVICE']._serialized_start=806
+  _globals['_DRAFTSERVICE']._serialized_end=944
 # @@protoc_insertion_point(module_scope)

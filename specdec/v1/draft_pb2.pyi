@@ -34,16 +34,18 @@ class DraftOpened(_message.Message):
     def __init__(self, prefill_ms: _Optional[float] = ...) -> None: ...
 
 class DraftPropose(_message.Message):
-    __slots__ = ("keep", "append_token_ids", "k", "seed")
+    __slots__ = ("keep", "append_token_ids", "k", "seed", "guess_first")
     KEEP_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    GUESS_FIRST_FIELD_NUMBER: _ClassVar[int]
     keep: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
     seed: int
-    def __init__(self, keep: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    guess_first: bool
+    def __init__(self, keep: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., seed: _Optional[int] = ..., guess_first: _Optional[bool] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("token_ids", "dists", "draft_ms")
