@@ -504,14 +504,17 @@ class Orchestrator:
         share = min(run.req.k, budget // self.speculating)
         return share if share >= MIN_SHARED_K else 0
 
-    def _round_k(self, run: Run) -> int:
+    def _round_k(self, run: Run, probing: bool = True) -> int:
         """The round's k: at most the request's k (shared out under load, clipped to what is left);
-        with adaptive_k, the k that the measured costs and this request's acceptance say is best."""
+        with adaptive_k, the k that the measured costs and this request's acceptance say is best
+        (probing=False: never a probe, for sizing a speculation: the round after one that drafts
+        is not a probe)."""
         room = self.backends.target.max_context - len(run.committed) - 1
         k_max = max(0, min(self._k_under_load(run), run.remaining - 1, room))
         if not run.req.adaptive_k or run.draft is None:
             return k_max
-        return self.costs[run.req.mode].choose(run.req.mode, k_max, run.history, run.rounds_without)
+        return self.costs[run.req.mode].choose(run.req.mode, k_max, run.history,
+                                                run.rounds_without if probing else 0)
 
     async def _get_drafts(self, run: Run, k: int) -> Drafts:
         ready, run.ready = run.ready, None
@@ -520,10 +523,12 @@ class Orchestrator:
         if ready is not None:
             return Drafts(ready.tokens[:k], ready.dists[:k], ready.draft_ms, from_speculation=True)
         keep = _common_prefix_len(run.draft_holds, run.committed)
+        t0 = time.perf_counter()
         res = await self._draft_call(run, run.draft.propose(keep, run.committed[keep:], k, run.next_seed()))
         if res is None:
             return Drafts()
-        self.costs[run.req.mode].observe_draft(res.draft_ms, len(res.token_ids))
+        # what a fresh proposal costs the round, as the round sees it (catch-up and RPC included)
+        self.costs[run.req.mode].observe_draft((time.perf_counter() - t0) * 1e3, len(res.token_ids))
         run.draft_holds = run.committed + res.token_ids
         return Drafts(res.token_ids, res.dists, res.draft_ms)
 
@@ -531,10 +536,11 @@ class Orchestrator:
         """Pipelined: draft k+1 tokens after this round's drafts while the target verifies them."""
         room = self.backends.target.max_context - len(run.committed) - 1
         n = len(drafts.tokens)
-        # the next round's k as it would be chosen now (a hit's drafts are cut to the k chosen then)
-        next_k = self._round_k(run) if run.req.adaptive_k else self._k_under_load(run)
+        # the next round's k as it would be chosen now (a hit's drafts are cut to the k chosen then);
+        # none when that is 0: a guess of the bonus token alone would only slow the verify
+        next_k = self._round_k(run, probing=False) if run.req.adaptive_k else self._k_under_load(run)
         spec_k = min(next_k + 1, run.remaining - n - 1, room - n - 1)
-        if run.req.mode != Mode.PIPELINED or run.draft is None or not drafts.tokens or spec_k <= 0:
+        if run.req.mode != Mode.PIPELINED or run.draft is None or not drafts.tokens or next_k <= 0 or spec_k <= 0:
             return None
         return Speculation(asyncio.ensure_future(
             _timed(run.draft.propose, len(run.committed) + n, [], spec_k, run.next_seed(), True)))
@@ -564,27 +570,37 @@ class Orchestrator:
         rec = RoundRecord(k=len(drafts.tokens), accepted=v.num_accepted, draft_ms=drafts.draft_ms,
                           verify_ms=v.verify_ms, rpc_ms=max(0.0, v.rtt_ms - v.verify_ms), wire_bytes=v.wire_bytes,
                           pipeline_hit=drafts.from_speculation)
-        self._learn(run, rec, v.rtt_ms)
-        if spec is None or run.draft is None:
-            return rec
+        if spec is not None and run.draft is not None:
+            await self._take_speculation(run, drafts, v, spec, rec, t_verify, t_verified)
+        self._learn(run, rec, v.rtt_ms + rec.spec_wait_ms)
+        return rec
+
+    async def _take_speculation(self, run: Run, drafts: Drafts, v, spec: Speculation, rec: RoundRecord,
+                                t_verify: float, t_verified: float) -> None:
+        """Wait for the speculation (cut short on a rejection); a hit makes it the next round's drafts."""
         if v.num_accepted < len(drafts.tokens) and self.config.cut_speculation_on_miss and not spec.task.done():
             await run.draft.cut()  # it builds on a rejected draft: whatever it drafts now is thrown away
         res = await self._draft_call(run, spec.task)
         if res is None:
-            return rec
-        self.costs[run.req.mode].observe_draft(res.draft_ms, len(res.token_ids))
+            return
         run.draft_holds = run.committed + drafts.tokens + res.token_ids
         rec.spec_wait_ms = max(0.0, res.finished - t_verified) * 1e3
         rec.overlap_ms = max(0.0, min(t_verified, res.finished) - max(t_verify, res.started)) * 1e3
-        if v.num_accepted == len(drafts.tokens) and res.token_ids and res.token_ids[0] == v.next_token:
+        all_accepted = v.num_accepted == len(drafts.tokens) and bool(res.token_ids)
+        hit = all_accepted and res.token_ids[0] == v.next_token
+        if all_accepted:
+            run.history.record_guess(hit)
+        if hit:
             run.ready = Drafts(res.token_ids[1:], res.dists[1:], res.draft_ms)
         else:
             rec.wasted_draft_tokens = len(res.token_ids)
-        return rec
 
-    def _learn(self, run: Run, rec: RoundRecord, verify_rtt_ms: float) -> None:
-        """What adaptive k learns from a verified round: its cost, and the request's acceptance."""
-        self.costs[run.req.mode].observe_round(rec.k, rec.accepted, verify_rtt_ms)
+    def _learn(self, run: Run, rec: RoundRecord, verify_ms: float) -> None:
+        """What adaptive k learns from a verified round: its cost (the verify's round trip, and in
+        pipelined mode the wait for the speculation that ran alongside), and the request's acceptance.
+        A round without drafts costs the same in every mode: each mode learns it."""
+        for mode in (Mode if rec.k == 0 else (run.req.mode,)):
+            self.costs[mode].observe_round(rec.k, rec.accepted, verify_ms)
         if rec.k:
             run.history.record(rec.k, rec.accepted)
         run.rounds_without = run.rounds_without + 1 if rec.k == 0 and run.draft is not None else 0

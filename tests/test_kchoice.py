@@ -26,6 +26,22 @@ def test_round_time_model():
     assert round_ms(PIPE, 4, [1.0], 2.0, 10.0) == 10.0  # always a hit: max(T, (k+1) d)
     # never a hit: the miss redrafts k before the next verify
     assert round_ms(PIPE, 4, [0.0], 2.0, 10.0) == 10.0 + 8.0
+    # every draft accepted, the bonus guessed in a fraction g of those rounds: a miss otherwise
+    assert round_ms(PIPE, 4, [1.0], 2.0, 10.0, guess=0.25) == 10.0 + 0.75 * 8.0
+    assert round_ms(PIPE, 4, [0.5], 2.0, 10.0, guess=1.0) == pytest.approx(10.0 + (1 - 0.5 ** 4) * 8.0)
+
+
+def test_a_bonus_guess_that_often_misses_makes_speculation_shorter():
+    # pipelined, d = 37, a verify of 65 + 25k alongside a speculation of (k+1) d: at a = 0.76 one
+    # draft pays while the guess is as good as a draft, not when it matches the bonus in 0.4 of
+    # fully accepted rounds (about what a sampled guess did at temperature 1); at a = 0.85 (d = 30,
+    # verify 65 + 17k) the guess rate shortens k from 2 to 1
+    t = lambda k: max(65.0 + 25.0 * k, 37.0 * (k + 1))  # noqa: E731
+    assert best_k(PIPE, 8, [0.76], 37.0, t) == 1
+    assert best_k(PIPE, 8, [0.76], 37.0, t, guess=0.4) == 0
+    t = lambda k: max(65.0 + 17.0 * k, 30.0 * (k + 1))  # noqa: E731
+    assert best_k(PIPE, 8, [0.85], 30.0, t) == 2
+    assert best_k(PIPE, 8, [0.85], 30.0, t, guess=0.4) == 1
 
 
 @pytest.mark.parametrize("mode, accept, d, t, want", [
@@ -33,15 +49,16 @@ def test_round_time_model():
     (SEQ, [0.0], 1.0, lambda k: 10.0, 0),  # never accepted: drafting only costs
     # a = 0.5, d = 2, T = 10: k=0 0.1, k=1 1.5/12 = 0.125, k=2 1.75/14 = 0.125 (a tie: the smaller), k=3 0.117
     (SEQ, [0.5], 2.0, lambda k: 10.0, 1),
-    # pipelined, always a hit: rate (k+1) / max(10, 2(k+1)) peaks from k = 4 on (k+1 drafts fit one verify)
-    (PIPE, [1.0], 2.0, lambda k: 10.0, 4),
+    # pipelined, always a hit: T(k) includes the speculation alongside, max(10, 2(k+1)): the rate
+    # (k+1) / T(k) peaks from k = 4 on (k+1 drafts fit one verify)
+    (PIPE, [1.0], 2.0, lambda k: max(10.0, 2.0 * (k + 1)), 4),
     # a verify that costs 9 ms per draft on top of 40 (this CPU, one sequence): a = 0.6 does not pay
     (SEQ, [0.6], 15.0, lambda k: 40.0 + 9.0 * k, 0),
     # drafts far cheaper than a verify that is flat in k (a GPU): the full k, (k+1) / 100
     (PIPE, [1.0], 1.0, lambda k: 100.0, 8),
-    # a = 0.95, d = 15, T(k) = 40 + 8k: k = 3 (E 3.71 in max(64, 60) + 0.185 * 45 = 72.3 ms: 51 tok/s;
-    # k = 8 is 7.39 in 135 + 0.37 * 120 = 180 ms: 41 tok/s)
-    (PIPE, [0.95], 15.0, lambda k: 40.0 + 8.0 * k, 3),
+    # a = 0.95, d = 15, verify 40 + 8k alongside a speculation of (k+1) d: k = 3 (E 3.71 in
+    # max(64, 60) + 0.185 * 45 = 72.3 ms: 51 tok/s; k = 8 is 7.39 in 135 + 0.37 * 120 = 180 ms: 41 tok/s)
+    (PIPE, [0.95], 15.0, lambda k: max(40.0 + 8.0 * k, 15.0 * (k + 1)), 3),
 ])
 def test_best_k_is_the_argmax_of_the_model(mode, accept, d, t, want):
     assert best_k(mode, 8, accept, d, t) == want
@@ -64,12 +81,24 @@ def test_acceptance_history_counts_positions_and_smooths():
     assert h.rates(1)[0] < 0.05  # enough evidence outweighs the prior
 
 
+def test_the_guess_rate_starts_at_the_pooled_acceptance_and_learns():
+    h = AcceptanceHistory(prior=0.8)
+    assert h.guess_rate() == pytest.approx(h.pooled())
+    for i in range(40):
+        h.record_guess(i % 4 == 0)
+    assert h.guess_rate() == pytest.approx((10 + 4 * 0.8) / 44)
+
+
 def test_cost_model_interpolates_verify_time_and_probes():
     c = CostModel()
     assert c.choose(SEQ, 8, AcceptanceHistory(0.0), 0) == 8  # nothing measured yet: the full k
     c.observe_round(0, 0, 40.0)
     c.observe_round(8, 0, 112.0)
-    assert c.verify_ms(4) == pytest.approx(76.0) and c.verify_ms(8) == 112.0
+    assert c.verify_ms(4) == 112.0  # a round with drafts: from the rounds with drafts only (one: flat)
+    c.observe_round(2, 0, 70.0)
+    assert c.verify_ms(4) == pytest.approx(84.0) and c.verify_ms(8) == 112.0 and c.verify_ms(0) == 40.0
+    unmeasured_zero = CostModel(verify_ms_by_k={2: 70.0, 8: 112.0})
+    assert unmeasured_zero.verify_ms(0) == pytest.approx(56.0)  # the line through every k measured
     c.observe_draft(50.0, 10)
     assert c.draft_ms_per_token == 5.0
     hopeless = AcceptanceHistory(0.0)
@@ -80,9 +109,33 @@ def test_cost_model_interpolates_verify_time_and_probes():
     good = AcceptanceHistory(0.95)
     for _ in range(20):
         good.record(8, 8)
-    assert c.choose(PIPE, 8, good, 0) == 8  # ~8.7 tokens in max(112, 45) ms beats ~5.9 in max(85, 30)
+    assert c.choose(PIPE, 8, good, 0) == 8  # ~8.7 tokens in ~112 ms beats ~5.9 in ~84
     c.observe_draft(250.0, 10)  # a draft 5x dearer (25 ms per token): the average moves a fifth of the way
     assert c.draft_ms_per_token == pytest.approx(9.0)
+
+
+def test_probes_back_off_while_drafting_does_not_pay_and_come_back_when_it_does():
+    from specdec.kchoice import PROBE_EVERY_MAX
+
+    c = CostModel()
+    c.observe_round(0, 0, 40.0)
+    c.observe_round(8, 0, 112.0)
+    c.observe_draft(50.0, 10)
+    h = AcceptanceHistory(0.0)
+    for _ in range(50):
+        h.record(8, 0)
+    probes, without = [], 0
+    for i in range(400):  # the orchestrator's bookkeeping: rounds without drafts since the last one that drafted
+        k = c.choose(SEQ, 8, h, without)
+        without = without + 1 if k == 0 else 0
+        if k:
+            probes.append(i)
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert gaps[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY], gaps  # one probe per gap
+    assert set(gaps[4:]) == {PROBE_EVERY_MAX}, gaps
+    for _ in range(400):  # the draft got good: drafting pays again, and the gap is back to the first
+        h.record(8, 8)
+    assert c.choose(SEQ, 8, h, 0) > 0 and h.probe_every == PROBE_EVERY
 
 
 def test_a_useless_draft_is_mostly_not_used_and_the_output_is_unchanged():
@@ -94,6 +147,17 @@ def test_a_useless_draft_is_mostly_not_used_and_the_output_is_unchanged():
     late = ks[len(ks) // 2:]
     assert late.count(0) > 0.75 * len(late), ks
     assert 0 < sum(1 for k in late if k) <= len(late) // (PROBE_EVERY - 1) + 1, ks
+    assert closed_everything(w)
+
+
+def test_a_probe_that_does_not_pay_starts_no_speculation():
+    # pipelined: a probe's round is followed by rounds without drafts, so it speculates nothing
+    # (a speculation would only slow its verify and be thrown away)
+    w = World(wrong_at=set(range(5, 400)), verify_s=0.002, draft_s=0.002)
+    tokens, rounds, _ = run(w, PIPE, n=150, k=8, config=ADAPTIVE)
+    assert tokens == reference(PROMPT, 150)
+    probes = [r for r in rounds[len(rounds) // 2:] if r.k]
+    assert probes and all(r.wasted_draft_tokens == 0 and r.overlap_ms == 0 for r in probes), probes
     assert closed_everything(w)
 
 
@@ -139,8 +203,9 @@ def test_each_mode_learns_its_own_costs():
             pass
 
     asyncio.run(go(PIPE, 6))
-    assert set(orch.costs) == {PIPE} and orch.costs[PIPE].draft_ms_per_token is not None
+    assert orch.costs[PIPE].draft_ms_per_token is not None and orch.costs[SEQ].draft_ms_per_token is None
+    # except a round without drafts (the first, before the draft joins), which costs the same in any mode
+    assert set(orch.costs[SEQ].verify_ms_by_k) == {0} and 6 in orch.costs[PIPE].verify_ms_by_k
     asyncio.run(go(SEQ, 3))
-    assert set(orch.costs) == {PIPE, SEQ}
     assert max(orch.costs[SEQ].verify_ms_by_k) <= 3 < max(orch.costs[PIPE].verify_ms_by_k)
     assert orch.costs[SEQ].draft_ms_per_token is not None
