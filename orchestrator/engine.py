@@ -16,7 +16,7 @@ A request is a `Run` (its state between rounds); a round is a few named steps:
 Pipelining: while the target verifies round n, the draft already drafts k+1 tokens after
 round n's last draft, the first of which is its guess of the target's bonus token (the
 draft's most likely token, not a sample: at temperature 1 on the default pair, k = 8, it
-matched the sampled bonus in 0.58 of fully accepted rounds, a sampled guess in 0.42;
+matched the sampled bonus in 0.54-0.56 of fully accepted rounds, a sampled guess in 0.40;
 BENCHMARKS §2d). When
 round n accepts all drafts and the bonus equals that guess, the other k tokens are round
 n+1's drafts (a hit); otherwise they are thrown away (a miss). Reusing drafts on a hit

@@ -3,9 +3,11 @@
     python scripts/guess_rate.py bench-results/study-t1-permode/study.json [more study.json ...]
 
 Reads the per-round records a `specdec study` writes (the full-length request of each prompt
-and run): among rounds with drafts, those that accepted every draft with a speculation running,
-and of those, how many found the bonus token guessed (no draft tokens wasted). Also the k
-chosen per round (adaptive k) and the rounds that used speculated drafts (hits).
+and run): among rounds with drafts, those that accepted every draft with a speculation running
+(its tokens were wasted, or the next round used them), and of those, how many found the bonus
+token guessed (the next round is a pipeline hit). A fully accepted round that started no
+speculation (the next k was 0, or the request was ending) is no guess. Also the k chosen per
+round (adaptive k) and the rounds that used speculated drafts (hits).
 """
 from __future__ import annotations
 
@@ -25,15 +27,17 @@ def guess_rates(study: dict) -> dict[str, dict]:
             continue
         c = out.setdefault(q["cell"], {"rounds": 0, "all_accepted": 0, "guessed": 0, "hits": 0,
                                        "k": collections.Counter()})
-        for r in q["rounds"]:
+        rounds = q["rounds"]
+        for i, r in enumerate(rounds):
             c["k"][r[k_at]] += 1
             if r[k_at] == 0:
                 continue
             c["rounds"] += 1
             c["hits"] += bool(r[hit_at])
-            if r[acc_at] == r[k_at]:
+            next_hit = i + 1 < len(rounds) and bool(rounds[i + 1][hit_at])
+            if r[acc_at] == r[k_at] and (r[wasted_at] > 0 or next_hit):
                 c["all_accepted"] += 1
-                c["guessed"] += r[wasted_at] == 0
+                c["guessed"] += next_hit
     return out
 
 
@@ -44,7 +48,7 @@ def main(paths: list[str]) -> None:
         print(path)
         for cell, c in rates.items():
             g = c["guessed"] / c["all_accepted"] if c["all_accepted"] else float("nan")
-            print(f"  {cell}: rounds with drafts {c['rounds']}, all accepted {c['all_accepted']}, "
+            print(f"  {cell}: rounds with drafts {c['rounds']}, all accepted with a guess {c['all_accepted']}, "
                   f"guess right {c['guessed']} ({g:.2f}), hits {c['hits']}, k chosen {dict(sorted(c['k'].items()))}")
 
 
