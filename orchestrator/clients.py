@@ -33,6 +33,12 @@ class _Stream:
     The stream carries the request's deadline to the service (as its gRPC deadline), and every
     call waits at most `timeout_s` (rpc_timeout_s), or until the deadline if that is sooner.
     Every failure leaves as a `SpecdecError` that names the peer (see `_peer_error`).
+
+    Writes take turns (`_write`): grpc takes one at a time on a stream, and refuses a second
+    one in grpc core, which fails the call on this side only (INTERNAL, "Internal error from
+    Core") and leaves the service's side open, its session held until the stream's deadline.
+    A signal (the draft's cut) is written while a call waits for its reply, so it may come
+    while that call's request is still being written (a long catch-up).
     """
 
     def __init__(self, open_stream, timeout_s: float, peer: str, deadline: float | None, address: str = ""):
@@ -42,6 +48,11 @@ class _Stream:
         self.address = address
         self.deadline = deadline
         self.call = None
+        self._writing = asyncio.Lock()  # one write at a time
+
+    async def _write(self, call, request) -> None:
+        async with self._writing:
+            await call.write(request)
 
     def _wait_s(self) -> float:
         if self.deadline is None:
@@ -53,7 +64,7 @@ class _Stream:
             if self.call is None:
                 left = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
                 self.call = self._open_stream(timeout=left)
-            await asyncio.wait_for(self.call.write(request), self._wait_s())
+            await asyncio.wait_for(self._write(self.call, request), self._wait_s())
             reply = await asyncio.wait_for(self.call.read(), self._wait_s())
         except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001 - translated at this edge
             raise self._error(e, during) from e
@@ -96,7 +107,7 @@ class _Stream:
         best effort: a failure is logged and dropped, the call in flight reports what is wrong."""
         if self.call is None:
             return
-        await quietly(asyncio.wait_for(self.call.write(request), self._wait_s()), f"{self.peer} signal {during}")
+        await quietly(asyncio.wait_for(self._write(self.call, request), self._wait_s()), f"{self.peer} signal {during}")
 
     async def close(self, grace_s: float = 0.5) -> None:
         """End the stream and wait (at most `grace_s`) for the service to end it too, i.e. to have
@@ -109,15 +120,15 @@ class _Stream:
             return
         try:
             if not call.done() and not cancelled_by_caller():
-                await quietly(asyncio.wait_for(_drain(call), grace_s), f"{self.peer} stream close")
+                await quietly(asyncio.wait_for(self._drain(call), grace_s), f"{self.peer} stream close")
         finally:
             call.cancel()
 
-
-async def _drain(call) -> None:
-    await call.done_writing()
-    while await call.read() is not grpc.aio.EOF:
-        pass
+    async def _drain(self, call) -> None:
+        async with self._writing:  # after the write in flight, if any
+            await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
 
 
 AT_OPEN = "at session open"

@@ -3,11 +3,16 @@ at a time and in order; a signal (the draft's `cut`) is handled while a call is 
 from __future__ import annotations
 
 import asyncio
+import time
 
+import grpc
 import pytest
 
+from fake_peers import ThreadedServer, add_draft
+from orchestrator.clients import GrpcDraftSession, Replica
 from specdec.rpc import StreamSession, serve_session
-from specdec.v1 import draft_pb2
+from specdec.sampling import SamplingParams
+from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 
 class Aborted(Exception):
@@ -171,3 +176,56 @@ def test_a_handler_cancelled_mid_call_closes_its_session_at_once():
 
     asyncio.run(asyncio.wait_for(go(), 5))
     assert closed == ["s"]
+
+
+# -- over gRPC: the orchestrator's session client against serve_session --------------------------
+
+class CutWaitingDraft(draft_pb2_grpc.DraftServiceServicer):
+    """Opens a session; a propose waits for a cut (at most 5 s), then answers with nothing."""
+
+    def __init__(self):
+        self.closed: list[str] = []
+        self.cut = asyncio.Event()
+
+    async def Session(self, request_iterator, context):
+        async def open_(msg, owner):
+            owner.session_id = msg.session_id
+            return draft_pb2.DraftResponse(opened=draft_pb2.DraftOpened())
+
+        async def propose(msg, owner):
+            await asyncio.wait_for(self.cut.wait(), 5)
+            return draft_pb2.DraftResponse(proposal=draft_pb2.DraftProposal())
+
+        async for reply in serve_session(request_iterator, context, {"open": open_, "propose": propose},
+                                         self.closed.append, signals={"cut": lambda m, o: self.cut.set()}):
+            yield reply
+
+
+def test_a_cut_sent_while_the_propose_is_still_being_written_waits_its_turn_and_the_session_closes():
+    """The speculation's propose is still being written (a long catch-up: more than a flow-control
+    window) when the round sends its cut. grpc takes one write at a time on a stream: a second
+    one is refused by grpc core, which fails the call locally with INTERNAL and leaves the
+    service's side open (its session was held until the stream's deadline, and the orchestrator
+    ejected a healthy replica). The cut waits for the write, reaches the propose, and closing
+    the session ends it in the service."""
+    draft = CutWaitingDraft()
+    with ThreadedServer(add_draft(draft)) as server:
+        async def go():
+            channel = grpc.aio.insecure_channel(server.address)
+            replica = Replica(server.address, channel, draft_pb2_grpc.DraftServiceStub(channel))
+            ds = GrpcDraftSession(replica, "s", 10.0, None)
+            await ds.open([1, 2, 3], SamplingParams(), "", 0, 0, 0)
+            propose = asyncio.ensure_future(ds.propose(3, [5] * 300_000, 4, 0))
+            for _ in range(3):
+                await asyncio.sleep(0)  # the propose's write has begun
+            await ds.cut()
+            await asyncio.wait_for(propose, 10)
+            await ds.close()
+            await channel.close()
+
+        asyncio.run(asyncio.wait_for(go(), 20))
+        for _ in range(100):
+            if draft.closed:
+                break
+            time.sleep(0.02)
+        assert draft.closed == ["s"]
