@@ -103,6 +103,31 @@ def test_study_report_from_hand_made_measurements(tmp_path):
     assert "| pipelined | adaptive (≤ 2) |" in md and "| 1 | = target, adaptive k (≤ 2) |" in md
 
 
+def test_the_a_a_control_measures_target_only_twice_and_reports_their_ratio(tmp_path):
+    """--control adds a second target-only cell (interleaved like the others); the report gives its
+    per-run ratio to the first, the noise any speedup of the study must stand out of."""
+    a = build_parser().parse_args(["study", "--quick", "--studies", "temps", "--k", "2", "--lengths", "16",
+                                   "--target-temps", "1", "--draft-temps", "1", "--runs", "3", "--control"])
+    study.resolve_args(a)
+    groups = study.plan_cells(a, "tiny-draft", ["tiny-draft"])
+    ids = [c.id for c in groups["tiny-draft"]]
+    assert "tiny-draft/target-only" in ids and "tiny-draft/target-only/again" in ids
+    prompts = [TokenizedPrompt("p0", "chat", [1, 2], "p0")]
+    records = [_fake_request(c, p, 16, run) for c in groups["tiny-draft"] for run in range(3) for p in prompts]
+    for r in records:  # the second copy ran 25% slower in run 1 only
+        if r["cell"].endswith("/again") and r["run"] == 1:
+            r["seconds"] *= 1.25
+    res = study.analyse(a, groups, records, [16], prompts, "tiny-draft",
+                        live.draft_variants("/models/target", "/models/draft"), {}, {}, {})
+    assert res["control_cell"] == "tiny-draft/target-only/again"
+    md = report.study_markdown(res)
+    assert "## Noise: target-only measured twice (A/A control)" in md
+    assert "| target-only again | " in md and "| 1.00× (0.80-1.00) |" in md
+    plain = build_parser().parse_args(["study", "--quick", "--studies", "temps"])
+    study.resolve_args(plain)
+    assert not any(c.again for cs in study.plan_cells(plain, "tiny-draft", ["tiny-draft"]).values() for c in cs)
+
+
 def test_a_study_stopped_in_its_last_run_reports_the_runs_every_cell_completed(tmp_path):
     a = build_parser().parse_args(["study", "--quick", "--studies", "ksweep", "--ks", "1,2", "--k", "2",
                                    "--lengths", "16", "--runs", "3"])

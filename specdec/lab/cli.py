@@ -71,6 +71,9 @@ def add_study_parser(sub) -> None:
     p.add_argument("--modes", default=",".join(SPECULATIVE))
     p.add_argument("--k", type=int, default=8, help="k of the draft and temperature studies")
     p.add_argument("--position-k", type=int, default=16, help="k of the acceptance-by-position curves")
+    p.add_argument("--control", action="store_true",
+                   help="also measure target-only a second time (the A/A control: its ratio to the first sizes "
+                        "the machine's noise)")
     p.add_argument("--drafts", help="comma list of drafts to compare (default: all loadable here)")
     p.add_argument("--target-temps", help="target temperatures of the grid (0,0.6,1.0; quick 0,1.0)")
     p.add_argument("--draft-temps", help="draft temperatures of the grid (0,0.1,0.6,0.8; quick 0,0.6)")

@@ -73,6 +73,18 @@ def study_markdown(res: dict) -> str:
     if fallback:
         L += [f"Warning: the draft was unavailable for some rounds of {', '.join(fallback)} (served target-only).", ""]
     base = cells.get(res["baseline_cell"])
+    again = cells.get(res.get("control_cell", ""))
+    if base and again:
+        sp = speedups(again, base)
+        L += ["## Noise: target-only measured twice (A/A control)", "",
+              "The same setting in two interleaved cells; a speedup in the tables below is told apart from "
+              "noise only where it lies outside this ratio's min-max.", "",
+              "| cell | " + " | ".join(f"tok/s L={x}" for x in lengths) + " | "
+              + " | ".join(f"ratio L={x}" for x in lengths) + " |", "|---|" + "---|" * (2 * len(lengths)),
+              "| target-only | " + " | ".join(_fmt_spread(base["by_length"][x]["tok_s"]) for x in lengths) + " | "
+              + " | ".join(["1.00×"] * len(lengths)) + " |",
+              "| target-only again | " + " | ".join(_fmt_spread(again["by_length"][x]["tok_s"]) for x in lengths)
+              + " | " + " | ".join(_fmt_ratio(sp.get(x, {})) for x in lengths) + " |", ""]
     if "ksweep" in res:
         L += ["## k sweep (greedy)", "",
               "Speedup: median (min-max) of the per-run ratios to target-only in the same run.", "",

@@ -36,6 +36,9 @@ Studies (`--studies`, default all):
   sampled target temperature also fixed against adaptive k, the draft at the target's sampling.
 - positions: acceptance by draft position (accepted_by_position / drafted_by_position summed
   over requests) at k = `--position-k` (16), per workload and per draft.
+- control (`--control`, with any study): target-only measured a second time, interleaved like
+  every cell: the A/A ratio (its per-run ratios to the first target-only) sizes the machine's
+  noise, which no speedup of that study can be told apart from.
 - ideal (computed from the ksweep cells, no extra requests): with d = measured draft ms per
   token, T(k) = mean verify_ms of the rounds that verified k drafts, and E(k) = 1 + sum_i
   P(first i drafts all accepted) from the per-position counts, the ideal decode rate is
@@ -88,19 +91,23 @@ class Cell:
     draft_temperature: float | None = None  # None = the server's default
     adaptive: bool = False  # adaptive k: each round's k chosen (at most k) by the orchestrator
     studies: set = field(default_factory=set)
+    again: bool = False  # a second copy of the same setting (the A/A control: target-only twice)
 
     @property
     def id(self) -> str:
         s = f"{self.draft}/{self.mode}"
         if self.mode != Mode.TARGET_ONLY.label:
             s += f"/k{self.k}" + ("/adaptive" if self.adaptive else "")
+        if self.again:
+            s += "/again"
         if self.temperature is not None or self.draft_temperature is not None:
             s += f"/T{_t(self.temperature)}/dT{_t(self.draft_temperature)}"
         return s
 
     def to_json(self) -> dict:
         return {"id": self.id, "draft": self.draft, "mode": self.mode, "k": self.k, "temperature": self.temperature,
-                "draft_temperature": self.draft_temperature, "adaptive": self.adaptive, "studies": sorted(self.studies)}
+                "draft_temperature": self.draft_temperature, "adaptive": self.adaptive, "again": self.again,
+                "studies": sorted(self.studies)}
 
 
 def _t(v) -> str:
@@ -172,8 +179,8 @@ def plan_cells(a, default: str, drafts: list[str]) -> dict[str, list[Cell]]:
     ks = parse_int_ranges(a.ks)
     cells: dict[str, dict[str, Cell]] = {}
 
-    def add(draft, mode, k, study, t=None, dt=None, adaptive=False):
-        c = Cell(draft, mode, k, t, dt, adaptive)
+    def add(draft, mode, k, study, t=None, dt=None, adaptive=False, again=False):
+        c = Cell(draft, mode, k, t, dt, adaptive, again=again)
         group = cells.setdefault(draft, {})
         group.setdefault(c.id, c).studies.add(study)
 
@@ -182,6 +189,8 @@ def plan_cells(a, default: str, drafts: list[str]) -> dict[str, list[Cell]]:
         if draft != default and "drafts" not in studies:
             continue
         add(draft, "target-only", base_k, "baseline")
+    if a.control:  # the A/A control: the baseline measured a second time, interleaved like every cell
+        add(default, "target-only", base_k, "control", again=True)
     if "ksweep" in studies:
         for mode in modes:
             for k in ks:
@@ -328,7 +337,7 @@ def analyse(a, groups, records, lengths, prompts, default, variants, memory, swa
         "settings": {"tiny": a.tiny, "quick": a.quick, "workloads": a.workloads, "prompts_per_workload": a.prompts,
                      "lengths": lengths, "separate_lengths": a.separate_lengths, "runs": a.runs,
                      "ks": parse_int_ranges(a.ks), "modes": modes, "k": a.k,
-                     "position_k": a.position_k, "seed": a.seed, "studies": a.studies,
+                     "position_k": a.position_k, "seed": a.seed, "studies": a.studies, "control": a.control,
                      "target_temps": parse_floats(a.target_temps), "draft_temps": parse_floats(a.draft_temps)},
         "prompts": [{"id": p.id, "workload": p.workload, "tokens": len(p.ids)} for p in prompts],
         "default_draft": default,
@@ -385,6 +394,8 @@ def analyse(a, groups, records, lengths, prompts, default, variants, memory, swa
             if reqs:
                 res["positions"]["by_draft"][name] = position_curve(reqs)
     res["baseline_cell"] = base
+    if f"{base}/again" in cells:
+        res["control_cell"] = f"{base}/again"
     return res
 
 
