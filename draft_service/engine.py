@@ -9,7 +9,9 @@ Both answer the same calls: `open` (admission), `prefill`, `propose`, `cut`, `cl
 session holds the tokens the orchestrator says it holds; `propose(keep, append, k)` keeps the
 first `keep`, appends `append`, then drafts k tokens, each sampled from exactly the sparse q~
 returned with it (with `guess_first`, the first is the most likely token instead: a
-speculation's guess of the target's bonus token). `cut` makes the propose in flight finish
+speculation's guess of the target's bonus token). With k = 0 it is a catch-up: the cache is
+brought up to date and nothing is drafted, so that the next propose has little to feed.
+`cut` makes the propose in flight finish
 after its current draft step, with the tokens drafted so far (the session holds just those):
 the orchestrator cuts a speculation that a rejection has made useless.
 """
@@ -93,7 +95,7 @@ class _Prefill(Job):
 
 class _Propose(Job):
     """Feed what the cache lacks, then sample k tokens, feeding each but the last (the first is the
-    most likely token when guess_first)."""
+    most likely token when guess_first). With k = 0, only the feed: a catch-up."""
 
     def __init__(self, s: _Session, k: int, generator: torch.Generator, guess_first: bool = False):
         feed = s.tokens[s.cached:]
@@ -112,7 +114,10 @@ class _Propose(Job):
     def on_logits(self, logits: torch.Tensor) -> None:  # logits [1, V]
         s = self.s
         s.cached, s.last_logits = self.start, logits[-1]
-        self.sample(logits[-1])
+        if self.k == 0:
+            self.finish(Proposal([], [], self.elapsed_ms()))
+        else:
+            self.sample(logits[-1])
 
     def sample(self, logits: torch.Tensor) -> None:  # logits [V]
         sampling = GREEDY if self.guess_first and not self.drafted else self.s.sampling
@@ -159,15 +164,15 @@ class DraftEngine(PooledEngine[_Session]):
             raise InvalidArgument(f"the draft session is full ({s.reserved} tokens)")
         del s.tokens[keep:]
         s.tokens.extend(append)
-        if k == 0:
-            return _done(Proposal([], [], 0.0))
         cached = s.cached
         if s.cached > keep:  # cache entries past `keep` belong to tokens that are gone
             s.cached, s.last_logits = keep, None
-        if s.cached == len(s.tokens) and s.last_logits is None:  # nothing to feed, no logits to start from
+        if k > 0 and s.cached == len(s.tokens) and s.last_logits is None:  # nothing to feed, no logits to start from
             s.cached -= 1  # feed the last token again
         if s.cached < cached:
             self.loop.call(self.runner.truncate, s.seq, s.cached)  # in the model thread, before the job
+        if k == 0 and s.cached == len(s.tokens):  # a catch-up with nothing to feed
+            return _done(Proposal([], [], 0.0))
         job = s.proposing = _Propose(s, k, make_generator(seed), guess_first)
         return job.future if job.done else self.loop.submit(job)
 

@@ -55,7 +55,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     async def _propose(self, p: draft_pb2.DraftPropose, owner: StreamSession) -> draft_pb2.DraftResponse:
         res = await asyncio.wrap_future(
             self.engine.propose(owner.session_id, p.keep, list(p.append_token_ids), p.k, p.seed, p.guess_first))
-        metrics.DRAFT_SECONDS.observe(res.draft_ms / 1e3)
+        if p.k:  # a catch-up (k = 0) drafts nothing
+            metrics.DRAFT_SECONDS.observe(res.draft_ms / 1e3)
         return draft_pb2.DraftResponse(proposal=draft_pb2.DraftProposal(
             token_ids=res.token_ids, draft_ms=res.draft_ms,
             dists=[common_pb2.SparseDistribution(token_ids=i, probs=q) for i, q in res.dists]))

@@ -110,7 +110,8 @@ class DraftSession(Protocol):
 
     async def propose(self, keep: int, append: list[int], k: int, seed: int, guess_first: bool = False) -> DraftResult:
         """Keep `keep` tokens, append `append`, draft k; guess_first: the first is the draft's most
-        likely token, not a sample (a speculation's guess of the bonus token)."""
+        likely token, not a sample (a speculation's guess of the bonus token). k = 0: a catch-up
+        (the draft feeds what it was given, drafts nothing)."""
 
     async def cut(self) -> None:
         """Ask the propose in flight to finish now, with what it has drafted (it replies shorter);
@@ -231,6 +232,8 @@ class Run:
     draft: DraftSession | None = None
     attaching: asyncio.Task | None = None  # a draft session opening in the background
     opening_draft: DraftSession | None = None  # the session it opens, until it is `draft`
+    catching_up: asyncio.Task | None = None  # the draft feeding what was committed, before a probe
+    catch_up_holds: list[int] = field(default_factory=list)  # what it holds once that is done
     draft_holds: list[int] = field(default_factory=list)  # what the draft's cache holds
     ready: Drafts | None = None  # next round's drafts, from a speculation hit
     draft_calls: int = 0
@@ -261,6 +264,7 @@ class Run:
 
     async def close(self) -> None:
         await cancel_and_wait(self.attaching)
+        await cancel_and_wait(self.catching_up)
         await quietly(self.target.close(), "target session close")
         for draft in (self.draft, self.opening_draft):
             if draft is not None:
@@ -269,6 +273,14 @@ class Run:
 
 # how many times one request may move to another target replica
 MAX_TARGET_MOVES = 4
+
+# a request at k = 0 (adaptive k found that drafting does not pay) still probes now and then; the
+# probe's proposal would first feed the draft every token committed since it last drafted (about
+# 5 ms a token for the default draft on this CPU: 300 ms after 64 rounds), on the round's
+# critical path. So the draft catches up in the background, alongside the verifies (it is idle
+# at k = 0), from CATCH_UP_LEAD rounds before the probe, when it is CATCH_UP_MIN tokens behind
+CATCH_UP_LEAD = 4
+CATCH_UP_MIN = 8
 
 # the smallest k worth a draft step under load: with the default pair on this CPU, k = 1 at
 # 8 clients gave 44 tok/s against 53 without drafts (BENCHMARKS.md §6)
@@ -308,6 +320,7 @@ class Orchestrator:
         await self._attach_draft_if_due(run)
         drafts = await self._get_drafts(run, self._round_k(run))
         spec = self._start_speculation(run, drafts)
+        self._start_catch_up(run, drafts)
         t_verify = time.perf_counter()
         try:
             v = await self._verify(run, drafts, spec)
@@ -469,6 +482,7 @@ class Orchestrator:
     async def _reopen_draft(self, run: Run) -> None:
         """Close the request's draft session (a speculation cut short left its stream with a reply
         in flight) and open a fresh one on what is committed, in the background."""
+        await self._stop_catch_up(run)
         draft, run.draft, run.ready = run.draft, None, None
         if draft is not None:
             await quietly(draft.close(), "draft session close")
@@ -477,6 +491,7 @@ class Orchestrator:
     async def _drop_draft(self, run: Run, error: BaseException) -> None:
         log.warning("draft failed mid-request (%s); continuing target-only", error)
         self.backends.draft_failed(error)
+        await self._stop_catch_up(run)
         draft, run.draft, run.ready = run.draft, None, None
         if draft is not None:
             await quietly(draft.close(), "draft session close")
@@ -516,8 +531,34 @@ class Orchestrator:
         return self.costs[run.req.mode].choose(run.req.mode, k_max, run.history,
                                                 run.rounds_without if probing else 0)
 
+    def _start_catch_up(self, run: Run, drafts: Drafts) -> None:
+        """A round without drafts, a few rounds before a probe: the draft feeds what was committed
+        (a propose of k = 0) while the target verifies (see CATCH_UP_LEAD). Not when the round is
+        without drafts because the draft is shared out (it has no time to spare) or the request ends."""
+        if (drafts.tokens or run.draft is None or run.catching_up is not None or not run.req.adaptive_k
+                or run.history.rounds_to_probe(run.rounds_without + 1) > CATCH_UP_LEAD
+                or self._k_under_load(run) == 0 or run.remaining <= CATCH_UP_LEAD + 1):
+            return
+        holds = list(run.committed)
+        keep = _common_prefix_len(run.draft_holds, holds)
+        if len(holds) - keep >= CATCH_UP_MIN:
+            run.catch_up_holds = holds
+            run.catching_up = asyncio.ensure_future(run.draft.propose(keep, holds[keep:], 0, 0))
+
+    async def _finish_catch_up(self, run: Run) -> None:
+        """Take the catch-up's result (before any other call on the draft's stream)."""
+        task, run.catching_up = run.catching_up, None
+        if task is not None and await self._draft_call(run, task) is not None:
+            run.draft_holds = run.catch_up_holds
+
+    async def _stop_catch_up(self, run: Run) -> None:
+        task, run.catching_up = run.catching_up, None
+        await cancel_and_wait(task)
+
     async def _get_drafts(self, run: Run, k: int) -> Drafts:
         ready, run.ready = run.ready, None
+        if run.catching_up is not None and (k > 0 or run.catching_up.done()):
+            await self._finish_catch_up(run)
         if run.draft is None or k == 0:
             return Drafts()
         if ready is not None:

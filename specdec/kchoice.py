@@ -89,6 +89,11 @@ class AcceptanceHistory:
     guessed: int = 0  # of which the guess was the bonus token (a pipeline hit)
     probe_every: int = PROBE_EVERY  # rounds without drafts before the next probe
 
+    def rounds_to_probe(self, rounds_without: int) -> int:
+        """After `rounds_without` rounds without drafts in a row, how many more `CostModel.choose`
+        lets pass before it probes (while drafting does not pay)."""
+        return max(0, self.probe_every - 1 - rounds_without)
+
     def record(self, k: int, num_accepted: int) -> None:
         """A round with k drafts, the first num_accepted of which were accepted."""
         while len(self.reached) < k:

@@ -70,6 +70,25 @@ def test_proposals_after_any_rollback_equal_a_fresh_session(engine, k, accepted)
     assert third == fresh(engine, prompt + first[:n] + [correction] + second, k)
 
 
+@pytest.mark.parametrize("rollback", [0, 2])
+def test_a_catch_up_feeds_the_cache_and_the_next_propose_equals_a_fresh_session(engine, rollback):
+    """propose(k = 0) brings the cache up to date (after keeping `keep` tokens) and drafts nothing;
+    the propose after it has nothing left to feed and drafts what a fresh session would."""
+    prompt = [1, 5, 9, 13, 2]
+    open_session(engine, "s", prompt)
+    drafted = propose(engine, "s", len(prompt), [], 3)
+    committed = prompt + drafted[:3 - rollback] + [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    keep = len(prompt) + 3 - rollback
+    caught_up = engine.propose("s", keep, committed[keep:], 0, 0).result(10)
+    assert caught_up.token_ids == [] and caught_up.dists == []
+    s = engine._sessions["s"]
+    assert s.cached == len(committed) and s.tokens == committed and s.last_logits is not None
+    assert propose(engine, "s", len(committed), [], 4) == fresh(engine, committed, 4)
+    assert engine.propose("s", len(committed) + 4, [], 0, 0).result(10).token_ids == []
+    assert s.cached == len(committed) + 4  # the last draft, never fed by its propose, is fed now
+    assert engine.propose("s", len(committed) + 4, [], 0, 0).result(10).draft_ms == 0.0  # nothing left: no step
+
+
 def test_a_cut_propose_ends_after_its_current_step_and_the_session_goes_on_from_there(engine):
     prompt = [1, 5, 9, 13, 2]
     open_session(engine, "s", prompt)

@@ -162,6 +162,28 @@ def test_a_probe_that_does_not_pay_starts_no_speculation():
 
 
 @pytest.mark.parametrize("mode", [SEQ, PIPE])
+def test_the_draft_catches_up_before_a_probe_so_the_probe_has_little_to_feed(mode):
+    # drafting does not pay, so rounds run without drafts and the draft falls behind; a few rounds
+    # before each probe it is sent what was committed (a propose of k = 0) alongside the verifies,
+    # and the probe itself appends only the tokens of the last few rounds (before: up to 64)
+    from orchestrator.engine import CATCH_UP_LEAD, CATCH_UP_MIN
+
+    w = World(wrong_at=set(range(5, 400)), verify_s=0.002, draft_s=0.002)
+    tokens, rounds, _ = run(w, mode, n=200, k=8, config=ADAPTIVE)
+    assert tokens == reference(PROMPT, 200)
+    catch_ups = [n for k, n in w.proposals if k == 0]
+    assert catch_ups and min(catch_ups) >= CATCH_UP_MIN, w.proposals
+    ks = [r.k for r in rounds]
+    probes = [i for i in range(1, len(ks)) if ks[i] and not ks[i - 1]]
+    assert len(probes) >= 3, ks
+    fresh = [n for k, n in w.proposals if k > 0][-len(probes):]  # the probes' proposals (fresh calls)
+    # the first probe comes PROBE_EVERY rounds after drafting stopped: fewer than CATCH_UP_MIN
+    # tokens behind until the round before it, so it feeds them itself; the later ones do not
+    assert fresh[0] <= PROBE_EVERY + 1 and max(fresh[1:]) <= CATCH_UP_LEAD + 1, (fresh, w.proposals)
+    assert closed_everything(w)
+
+
+@pytest.mark.parametrize("mode", [SEQ, PIPE])
 def test_a_perfect_draft_keeps_the_full_k(mode):
     w = World(verify_s=0.004, draft_s=0.0005)
     tokens, rounds, _ = run(w, mode, n=120, k=6, config=ADAPTIVE)

@@ -90,6 +90,7 @@ class FakeDraft:
     async def propose(self, keep, append, k, seed, guess_first=False) -> DraftResult:
         w = self.world
         w.draft_calls += 1
+        w.proposals.append((k, len(append)))
         assert 0 <= keep <= len(self.holds), (keep, len(self.holds))
         speculative = not append and keep == len(self.holds)
         if w.draft_fails_on_call == w.draft_calls:
@@ -140,6 +141,7 @@ class World:
     verifies: int = 0
     draft_calls: int = 0
     cuts: int = 0
+    proposals: list = field(default_factory=list)  # (k, tokens appended) of each propose call
     failures: list = field(default_factory=list)
     targets: list = field(default_factory=list)
     drafts: list = field(default_factory=list)
