@@ -232,8 +232,7 @@ class Run:
     draft: DraftSession | None = None
     attaching: asyncio.Task | None = None  # a draft session opening in the background
     opening_draft: DraftSession | None = None  # the session it opens, until it is `draft`
-    catching_up: asyncio.Task | None = None  # the draft feeding what was committed, before a probe
-    catch_up_holds: list[int] = field(default_factory=list)  # what it holds once that is done
+    catching_up: asyncio.Task | None = None  # the draft feeding what was committed, before a probe (-> what it holds)
     draft_holds: list[int] = field(default_factory=list)  # what the draft's cache holds
     ready: Drafts | None = None  # next round's drafts, from a speculation hit
     draft_calls: int = 0
@@ -542,14 +541,14 @@ class Orchestrator:
         holds = list(run.committed)
         keep = _common_prefix_len(run.draft_holds, holds)
         if len(holds) - keep >= CATCH_UP_MIN:
-            run.catch_up_holds = holds
-            run.catching_up = asyncio.ensure_future(run.draft.propose(keep, holds[keep:], 0, 0))
+            run.catching_up = asyncio.ensure_future(_catch_up(run.draft, keep, holds))
 
     async def _finish_catch_up(self, run: Run) -> None:
         """Take the catch-up's result (before any other call on the draft's stream)."""
         task, run.catching_up = run.catching_up, None
-        if task is not None and await self._draft_call(run, task) is not None:
-            run.draft_holds = run.catch_up_holds
+        holds = await self._draft_call(run, task)
+        if holds is not None:
+            run.draft_holds = holds
 
     async def _stop_catch_up(self, run: Run) -> None:
         task, run.catching_up = run.catching_up, None
@@ -695,6 +694,12 @@ async def _settled(task: asyncio.Future):
     except BaseException:
         await cancel_and_wait(task)
         raise
+
+
+async def _catch_up(draft: DraftSession, keep: int, holds: list[int]) -> list[int]:
+    """Feed the draft `holds` (it keeps its first `keep`) -> what it holds then."""
+    await draft.propose(keep, holds[keep:], 0, 0)
+    return holds
 
 
 async def _timed(propose, *args) -> DraftResult:

@@ -175,7 +175,7 @@ class CostModel:
         k = best_k(mode, k_max, history.rates(k_max), self.draft_ms_per_token, self.verify_ms, history.guess_rate())
         if k > 0:
             history.probe_every = PROBE_EVERY
-        elif rounds_without + 1 >= history.probe_every:
+        elif history.rounds_to_probe(rounds_without) == 0:
             history.probe_every = min(2 * history.probe_every, PROBE_EVERY_MAX)
             return min(PROBE_K, k_max)
         return k
