@@ -26,10 +26,12 @@ specdec bench --config scripts/configs/llamacpp-sequential-2cores.toml --runs 3 
 specdec bench --steps --runs 5 --out "$out/steps"
 specdec bench --concurrency 1,2,4,8,16 --max-tokens 128 --runs 2 --requests-per-client 1 --load-prompts 32 \
   --no-progress --out "$out/load"
-# 2. the full study on the default pair: k 1-16 in both modes + target-only, outputs of 128 and 256 tokens,
-#    the 3 x 4 target x draft temperature grid, acceptance by position, ideal bound and efficiency;
-#    one prompt from each of the 4 workloads, 3 runs per cell (~95 min)
-specdec study --studies ksweep,temps,positions --prompts 1 --runs 3 --no-progress --out "$out/study"
+# 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
+#    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
+#    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt
+#    from each of the 4 workloads, 3 runs per cell (79-109 min on the VMs measured)
+specdec study --studies ksweep,temps,positions --prompts 1 --runs 3 --ks 1,2,4,8,12,16 --draft-temps 0,0.6 \
+  --control --no-progress --out "$out/study"
 # 3. every draft this machine can load (k=8, and k=16 for the position curves), 128 tokens, 2 runs (~25 min)
 specdec study --studies drafts,positions --prompts 1 --lengths 128 --runs 2 --no-progress --out "$out/drafts"
 # 4. the auto-tuner on the default pair, within a 7-minute budget, over the llama.cpp drafts (the torch and
