@@ -135,6 +135,11 @@ def test_a_target_killed_mid_request_moves_it_to_the_other_replica_and_changes_n
     assert not any(g.values()), g
 
 
+# long enough that a request outlives the 1 s drain of a rolling restart on a fast VM (at 120 tokens,
+# one 2026-12-04 VM finished every request inside the drain, so no move was tested)
+REQUEST_TOKENS = 240
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["rolling-restart", "kill"])
 def test_a_target_replica_restarted_or_killed_under_4_clients_fails_no_request(replicas, sig):
     """4 clients send greedy requests without pause while each target replica in turn is sent
@@ -145,7 +150,7 @@ def test_a_target_replica_restarted_or_killed_under_4_clients_fails_no_request(r
     stack.wait_ready(120)
     with Client(stack.address("orchestrator"), timeout=120) as c:
         prompts = [[100 + 7 * i + j for j in range(20 + 5 * i)] for i in range(4)]
-        refs = [c.complete(token_ids=p, max_tokens=120, ignore_eos=True, mode="target-only").token_ids
+        refs = [c.complete(token_ids=p, max_tokens=REQUEST_TOKENS, ignore_eos=True, mode="target-only").token_ids
                 for p in prompts]
     stop = threading.Event()
     results: list[tuple[int, object]] = []
@@ -154,7 +159,7 @@ def test_a_target_replica_restarted_or_killed_under_4_clients_fails_no_request(r
         with Client(stack.address("orchestrator"), timeout=120) as c:
             while not stop.is_set():
                 try:
-                    res = c.complete(token_ids=prompts[i], max_tokens=120, ignore_eos=True, k=4)
+                    res = c.complete(token_ids=prompts[i], max_tokens=REQUEST_TOKENS, ignore_eos=True, k=4)
                     results.append((i, res))
                 except grpc.RpcError as e:
                     results.append((i, e))
