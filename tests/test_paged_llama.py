@@ -9,6 +9,8 @@ import torch
 from specdec import hf_compat
 from specdec.serving.batch import SeqChunk, StepAborted
 from specdec.serving.graphs import GraphConfig, eager_capture
+from specdec.serving import cpu_gemm
+from specdec.serving.cpu_gemm import PackedInt4Weight, PackedInt8Weight
 from specdec.serving.int4 import GROUP, Int4Weight, Int8Weight
 from specdec.serving.paged_llama import SMALL_HEAD_ROWS, PagedLlamaRunner, supports
 
@@ -312,14 +314,16 @@ def test_int4_weight_finds_a_4bit_grid_again():
             Int4Weight.quantize(bad)
 
 
-def test_int4_runner_is_close_to_fp32_and_batches():
-    """int4: 4-bit layers, bf16 elsewhere; near the fp32 model, and the same sequence gives
-    (nearly) the same logits alone or next to others in one step."""
+@pytest.mark.parametrize("cpu_matmul", ["specdec", "torch"])
+def test_int4_runner_is_close_to_fp32_and_batches(cpu_matmul):
+    """int4: 4-bit layers (specdec's kernel or torch's), bf16 elsewhere; near the fp32 model, and
+    the same sequence gives (nearly) the same logits alone or next to others in one step."""
     model = tiny_model("llama")
     r32 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4)
-    r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True)
+    r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, cpu_matmul=cpu_matmul)
     assert r4.facts.dtype == "int4" and r4.pool.k.dtype == torch.bfloat16
-    assert all(isinstance(getattr(lw, m), Int4Weight) for lw in r4.weights.layers for m in ("qkv", "o", "gate_up", "down"))
+    kind = PackedInt4Weight if cpu_matmul == "specdec" and cpu_gemm.lowbit() is not None else Int4Weight
+    assert all(isinstance(getattr(lw, m), kind) for lw in r4.weights.layers for m in ("qkv", "o", "gate_up", "down"))
     assert r4.weights.embed.data_ptr() == r4.weights.lm_head.data_ptr()  # tied: one bf16 copy
     assert r4.facts.weight_bytes < r32.facts.weight_bytes / 2
     rng = random.Random(5)
@@ -336,12 +340,13 @@ def test_int4_runner_is_close_to_fp32_and_batches():
     assert got_b.shape == (8, VOCAB)
 
 
-def test_int8_head_is_within_half_a_level_and_serves_the_small_steps():
+@pytest.mark.parametrize("cpu_matmul", ["specdec", "torch"])
+def test_int8_head_is_within_half_a_level_and_serves_the_small_steps(cpu_matmul):
     """Int8Weight: every weight within half its row's level of the original (and the bf16
     rounding of the scale), the matmul is the dequantized matrix's. int4_head = int8 adds an
     int8 copy of the head of half the bf16 head's bytes: steps of at most SMALL_HEAD_ROWS logit
-    rows use it (logits near the bf16 head's, not equal), larger ones the bf16 head (equal);
-    an unknown head precision is refused."""
+    rows use it (logits near the bf16 head's, not equal), larger ones the bf16 head (equal); in
+    specdec's kernel (PackedInt8Weight) it serves every step; an unknown head precision is refused."""
     torch.manual_seed(0)
     w = torch.randn(48, 80)  # [in, out]
     iw = Int8Weight.quantize(w)
@@ -353,11 +358,14 @@ def test_int8_head_is_within_half_a_level_and_serves_the_small_steps():
     torch.testing.assert_close(iw.matmul(x).float(), x.float() @ iw.dequantize(), atol=0.05, rtol=0.02)
 
     model = tiny_model("llama")
-    bf16_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True)
-    int8_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, int4_head="int8")
+    bf16_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, cpu_matmul=cpu_matmul)
+    int8_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, int4_head="int8",
+                                               cpu_matmul=cpu_matmul)
     assert bf16_head.weights.small_head is None
     small = int8_head.weights.small_head
-    assert isinstance(small, Int8Weight) and small.codes.nbytes == bf16_head.weights.lm_head.nbytes // 2
+    ours = cpu_matmul == "specdec" and cpu_gemm.lowbit() is not None
+    assert isinstance(small, PackedInt8Weight if ours else Int8Weight)
+    assert small.codes.nbytes == bf16_head.weights.lm_head.nbytes // 2
     assert int8_head.facts.weight_bytes == bf16_head.facts.weight_bytes + small.codes.nbytes + small.scales.nbytes
     tokens = rand_tokens(random.Random(3), 17)
     for rows in (1, SMALL_HEAD_ROWS, SMALL_HEAD_ROWS + 1, len(tokens)):
@@ -367,7 +375,7 @@ def test_int8_head_is_within_half_a_level_and_serves_the_small_steps():
             (logits,) = r.forward([SeqChunk(seq, tokens, 0, rows)])
             r.free(seq)
             got.append(logits.float())
-        if rows <= SMALL_HEAD_ROWS:
+        if rows <= SMALL_HEAD_ROWS or ours:
             assert not torch.equal(got[0], got[1])
             assert float((got[1] - got[0]).norm() / got[0].norm()) < 0.02
         else:

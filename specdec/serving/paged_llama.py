@@ -37,9 +37,17 @@ Precision `int4` (CPU): the decoder layers' matmul weights (QKV, O, gate/up, dow
 (the draft's default) also an 8-bit copy (`Int8Weight`) for steps of at most SMALL_HEAD_ROWS
 logit rows, where reading half the bytes wins; everything else (embedding, norms, RoPE tables,
 activations, the KV pool) bf16. It is for drafts: a token costs a third of fp32.
+
+Precision float32 on the CPU with `cpu_matmul = "specdec"` (the default): every matmul weight
+(QKV, O, gate/up, down, the output head) is a `PackedF32Weight` run by specdec's own kernel
+(specdec.serving.cpu_gemm): the same values, a verify of k + 1 rows at 1.4x a one-row step
+instead of 2.3x, and each row's result independent of the rows beside it. A tied embedding is
+read from the packed head's columns (no second copy).
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -49,9 +57,13 @@ import torch.nn.functional as F
 from specdec import hf_compat, models
 from specdec.devices import kv_pool_tokens_for_memory
 from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
+from specdec.serving import cpu_gemm
 from specdec.serving.blocks import BlockManager
+from specdec.serving.cpu_gemm import CPU_MATMULS, PANEL, PackedF32Weight, PackedInt4Weight, PackedInt8Weight
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight, Int8Weight
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE variants whose frequencies depend on the current sequence length: not a position table
@@ -61,11 +73,14 @@ INT4 = "int4"  # 4-bit weights, bf16 activations (CPU)
 INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
 # the int8 head serves steps of at most this many logit rows: one core, 49,152 x 576, ms per head
 # matmul int8 / bf16 at 1, 2, 4, 6, 8, 16 rows: 1.8/4.3, 1.6/3.8, 1.9/3.8, 3.6/4.2, 3.8/4.3, 7.5/5.4
-# (scripts/int8_head_probe.py)
+# (scripts/int8_head_probe.py). specdec's int8 kernel (PackedInt8Weight) serves every step: against
+# bf16, 0.55/3.21 ms at 1 row, 1.67/3.98 at 9, 3.29/6.30 at 32, 7.50/13.09 at 96 (BENCHMARKS.md §6o)
 SMALL_HEAD_ROWS = 4
 PRECISIONS = (*_DTYPES, INT4)
-Matrix = torch.Tensor | Int4Weight | Int8Weight  # a weight used as x @ w: [in, out]
-QUANTIZED = (Int4Weight, Int8Weight)  # the Matrix kinds with their own matmul and storages
+# a weight used as x @ w: [in, out]
+Matrix = torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | PackedInt4Weight | PackedInt8Weight
+# the Matrix kinds with their own matmul and storages
+OWN_MATMUL = (Int4Weight, Int8Weight, PackedF32Weight, PackedInt4Weight, PackedInt8Weight)
 
 
 # ----------------------------------------------------------------------------------------
@@ -113,13 +128,13 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    embed: torch.Tensor  # [V, hidden] (when tied: a transposed view of lm_head, no copy)
+    embed: torch.Tensor | PackedF32Weight  # [V, hidden] (tied: a transposed view of lm_head, or lm_head itself when packed)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: Matrix  # [hidden, V]
     cos: torch.Tensor  # [max_context, D]
     sin: torch.Tensor  # [max_context, D]
-    small_head: Int8Weight | None = None  # [hidden, V] in int8, for steps of <= SMALL_HEAD_ROWS logit rows
+    small_head: Int8Weight | PackedInt8Weight | None = None  # [hidden, V] in int8, for steps of few logit rows
 
     def nbytes(self) -> int:
         """Bytes of the model weights (each storage once; RoPE tables not counted)."""
@@ -128,7 +143,7 @@ class Weights:
             parts += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, lw.o, lw.o_bias, lw.post_norm, lw.gate_up,
                       lw.gate_up_bias, lw.down, lw.down_bias]
         tensors = [t for p in parts if p is not None
-                   for t in (p.storages() if isinstance(p, QUANTIZED) else [p])]
+                   for t in (p.storages() if isinstance(p, OWN_MATMUL) else [p])]
         seen: dict[int, int] = {}
         for t in tensors:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -172,7 +187,7 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in], w [in, out], bias [out] -> [T, out]."""
-    if isinstance(w, QUANTIZED):
+    if isinstance(w, OWN_MATMUL):
         y = w.matmul(x)  # [T, out]
         return y if bias is None else y + bias
     return torch.matmul(x, w) if bias is None else torch.addmm(bias, x, w)  # [T, out]
@@ -242,16 +257,52 @@ def extract_weights(model: torch.nn.Module, arch: Arch, consume: bool = False) -
                    lm_head=lm_head, cos=cos, sin=sin)
 
 
+def pack_f32(w: Weights) -> Weights:
+    """float32 CPU weights with every matmul weight packed for specdec's kernel (cpu_gemm); a
+    tied embedding becomes the packed head itself (read through its columns)."""
+    packed = PackedF32Weight.pack
+    tied = isinstance(w.embed, torch.Tensor) and w.embed.data_ptr() == w.lm_head.data_ptr()
+    layers = [dataclasses.replace(lw, qkv=packed(lw.qkv), o=packed(lw.o), gate_up=packed(lw.gate_up),
+                                  down=packed(lw.down)) for lw in w.layers]
+    head = packed(w.lm_head)
+    return dataclasses.replace(w, layers=layers, lm_head=head, embed=head if tied else w.embed)
+
+
+def packable_f32(w: Weights) -> bool:
+    """Whether pack_f32 takes these weights: float32 on the CPU, every matrix a multiple of PANEL wide."""
+    mats = [w.lm_head] + [getattr(lw, m) for lw in w.layers for m in FUSED]
+    return all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.device.type == "cpu"
+               and m.shape[1] % PANEL == 0 for m in mats)
+
+
+def packable_int4(w: Weights) -> bool:
+    """Whether quantize_int4(packed=True) takes these weights: every matrix GROUP deep and PANEL wide."""
+    mats = [w.lm_head] + [getattr(lw, m) for lw in w.layers for m in FUSED]
+    return all(m.shape[0] % cpu_gemm.GROUP == 0 and m.shape[1] % PANEL == 0 for m in mats)
+
+
+def embed_tokens(embed: torch.Tensor | PackedF32Weight, token_ids: torch.Tensor) -> torch.Tensor:
+    """token_ids [T] -> [T, hidden]."""
+    if isinstance(embed, PackedF32Weight):  # the tied, packed output head [hidden, V]: its columns
+        return embed.columns(token_ids)
+    return embed.index_select(0, token_ids)
+
+
 # the fused matrices of a layer, and the Linear layers each one concatenates (along its outputs)
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-MakeInt4 = Callable[[int, str, torch.Tensor], Int4Weight]  # (layer, fused name, the [in, out] matrix)
+MakeInt4 = Callable[[int, str, torch.Tensor], Int4Weight | PackedInt4Weight]  # (layer, fused name, [in, out] matrix)
 
 
-def quantize_int4(w: Weights, make: MakeInt4 = lambda _layer, _name, m: Int4Weight.quantize(m),
-                  head_dtype: str = "bfloat16") -> Weights:
+def quantize_int4(w: Weights, make: MakeInt4 | None = None, head_dtype: str = "bfloat16", packed: bool = False
+                  ) -> Weights:
     """The `int4` precision: 4-bit matmul weights (`make`: by default each float32 matrix quantized
-    on the Q4_1 grid), the output head in `head_dtype` (bfloat16 | int8), bf16 for the rest."""
+    on the Q4_1 grid), the output head in `head_dtype` (bfloat16 | int8), bf16 for the rest.
+    packed: the 4-bit matrices and the int8 head in specdec's kernel (cpu_gemm.PackedInt4Weight,
+    PackedInt8Weight: 8-bit activations on VNNI) instead of torch's (Int4Weight, Int8Weight)."""
+    if make is None:
+        kind = PackedInt4Weight if packed else Int4Weight
+        make = lambda _layer, _name, m: kind.quantize(m)  # noqa: E731
     if head_dtype not in INT4_HEADS:
         raise ValueError(f"int4_head must be one of {', '.join(INT4_HEADS)}, got {head_dtype!r}")
     def bf16(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -273,7 +324,7 @@ def quantize_int4(w: Weights, make: MakeInt4 = lambda _layer, _name, m: Int4Weig
     head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
     tied = w.embed.data_ptr() == w.lm_head.data_ptr()
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]
-    small_head = Int8Weight.quantize(w.lm_head) if head_dtype == "int8" else None
+    small_head = (PackedInt8Weight if packed else Int8Weight).quantize(w.lm_head) if head_dtype == "int8" else None
     return Weights(embed=embed, layers=layers, final_norm=bf16(w.final_norm), lm_head=head.t(),
                    cos=bf16(w.cos), sin=bf16(w.sin), small_head=small_head)
 
@@ -430,7 +481,7 @@ def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, sto
              ) -> torch.Tensor:
     """One step over StepInputs -> logits [R, V] in the model dtype, on the model's device.
     `stop()` is asked before each layer: True raises StepAborted (the caller rolls back)."""
-    x = weights.embed.index_select(0, inputs.token_ids)  # [T, hidden]
+    x = embed_tokens(weights.embed, inputs.token_ids)  # [T, hidden]
     cos = weights.cos.index_select(0, inputs.positions)  # [T, D]
     sin = weights.sin.index_select(0, inputs.positions)  # [T, D]
     num_keys = inputs.block_tables.shape[1] * pool.block_size  # C
@@ -443,7 +494,8 @@ def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, sto
                           pool.block_size)  # [T, hidden]
     h = x.index_select(0, inputs.logit_rows)  # [R, hidden]
     h = rms_norm(h, weights.final_norm, arch.eps)  # [R, hidden]
-    small = weights.small_head is not None and h.shape[0] <= SMALL_HEAD_ROWS
+    small = weights.small_head is not None and (isinstance(weights.small_head, PackedInt8Weight)
+                                                or h.shape[0] <= SMALL_HEAD_ROWS)
     return linear(h, weights.small_head if small else weights.lm_head)  # [R, V]
 
 
@@ -490,12 +542,14 @@ class PagedLlamaRunner:
     @classmethod
     def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
              block_size: int = 16, max_seqs: int = 64, memory_share_bytes: int = 0,
-             activation_reserve: float = 0.1, int4_head: str = "bfloat16") -> "PagedLlamaRunner":
+             activation_reserve: float = 0.1, int4_head: str = "bfloat16", cpu_matmul: str = "specdec"
+             ) -> "PagedLlamaRunner":
         """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up),
         or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
         `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
         dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring), whose output
-        head is `int4_head` (bfloat16 | int8)."""
+        head is `int4_head` (bfloat16 | int8). cpu_matmul: float32 on the CPU runs its matmuls in
+        specdec's kernel ("specdec", where it builds) or torch's ("torch")."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
         if dtype == INT4 and torch.device(device).type != "cpu":
@@ -514,24 +568,28 @@ class PagedLlamaRunner:
         num_blocks = max(1, -(-pool_tokens // block_size))
         return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
                           num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4,
-                          int4_make=stored_int4(src.directory, *stored) if stored else None, int4_head=int4_head)
+                          int4_make=stored_int4(src.directory, *stored) if stored else None, int4_head=int4_head,
+                          cpu_matmul=cpu_matmul)
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
                       block_size: int = 16, max_seqs: int = 64, int4: bool = False,
-                      int4_head: str = "bfloat16") -> "PagedLlamaRunner":
+                      int4_head: str = "bfloat16", cpu_matmul: str = "specdec") -> "PagedLlamaRunner":
         """Build from a loaded HF model (left intact); without a tokenizer the fingerprint is vocab-V.
-        int4: quantize a float32 model's matmul weights to 4 bits (module docstring)."""
+        int4: quantize a float32 model's matmul weights to 4 bits (module docstring); cpu_matmul as
+        in `load`."""
         vocab = int(model.get_output_embeddings().weight.shape[0])
         fingerprint = models.tokenizer_fingerprint(tokenizer) if tokenizer is not None else f"vocab-{vocab}"
         eos = models.eos_token_ids(tokenizer, model.config) if tokenizer is not None else []
         return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=False, int4=int4,
-                          int4_head=int4_head)
+                          int4_head=int4_head, cpu_matmul=cpu_matmul)
 
     @classmethod
     def _build(cls, model, spec: str, fingerprint: str, eos: list[int], num_blocks: int, block_size: int,
                max_seqs: int, consume: bool, int4: bool = False, int4_make: MakeInt4 | None = None,
-               int4_head: str = "bfloat16") -> "PagedLlamaRunner":
+               int4_head: str = "bfloat16", cpu_matmul: str = "specdec") -> "PagedLlamaRunner":
+        if cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}, got {cpu_matmul!r}")
         if not supports(model.config):
             raise ValueError(f"PagedLlamaRunner does not support model_type={model.config.model_type!r} "
                              f"(rope {hf_compat.rope_type(model.config)!r}); use the transformers runner")
@@ -542,12 +600,16 @@ class PagedLlamaRunner:
         dtype, device = param.dtype, param.device
         with torch.inference_mode():
             weights = extract_weights(model, arch, consume=consume)
+            ours = cpu_matmul == "specdec" and device.type == "cpu"
             if int4 and int4_make is not None:  # a stored INT4 checkpoint: its own codes
                 weights, dtype = quantize_int4(weights, int4_make, int4_head), torch.bfloat16
             elif int4:
                 if dtype != torch.float32:
                     raise ValueError(f"int4 quantizes a float32 model, got {dtype}")
-                weights, dtype = quantize_int4(weights, head_dtype=int4_head), torch.bfloat16
+                packed = ours and packable_int4(weights) and cpu_gemm.lowbit() is not None
+                weights, dtype = quantize_int4(weights, head_dtype=int4_head, packed=packed), torch.bfloat16
+            elif ours and packable_f32(weights) and cpu_gemm.skinny() is not None:
+                weights = pack_f32(weights)
             pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block
         dtype_name = INT4 if int4 else {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
         facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,

@@ -1,0 +1,275 @@
+"""specdec's own CPU matmul for float32 weights: `PackedF32Weight` (csrc/skinny_gemm.c).
+
+A verify of k + 1 tokens is a matmul of a few rows against every weight of the target.
+torch's fp32 matmul (MKL) is tuned for big matrices: on the AMD EPYC VMs measured it costs
+2.3x a one-row step for 9 rows (43.5 against 19.4 ms for the default target's decoder
+matrices, one core), where csrc/skinny_gemm.c costs 1.4x (16.5 against 11.7), and it is 2.3x
+faster than MKL for 128-row prefill chunks too (BENCHMARKS.md §6o, scripts/skinny_gemm_probe.py).
+
+Exactness: each output is one chain of fused multiply-adds over the inputs in order, so a row's
+result does not depend on how many rows share the matmul: a verify's logits equal one-token
+decodes' bit for bit in every linear layer (tests/test_cpu_gemm.py).
+
+The C file is compiled for the machine it runs on (`cc -O3 -march=native`), once, into
+$SPECDEC_CACHE_DIR/kernels/ (about a second), the first time a float32 model is loaded with
+`cpu_matmul = "specdec"`. Where it cannot be built (no C compiler, a CPU without AVX2 and FMA,
+not x86) the model uses torch's matmul and the log says why. The kernel is single-threaded:
+each service runs its model on its own core (`num_threads = 1`, the default).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec import models
+from specdec.serving import int4
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+PANEL = 16  # columns per packed panel (skinny_gemm.c's PANEL)
+CPU_MATMULS = ("specdec", "torch")  # ModelServiceConfig.cpu_matmul
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model name and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "".join(lines)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def _build(name: str, needs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """csrc/<name>.c built for this machine (on first use, then cached), or None with the reason
+    logged once. needs: the /proc/cpuinfo flags the kernel is written for."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log.info("cpu_matmul: specdec's %s kernel is for x86-64; using torch's matmul", name)
+        return None
+    flags = set(_cpu_signature().split())
+    missing = [f for f in needs if f not in flags]
+    if missing:
+        log.info("cpu_matmul: this CPU lacks %s for specdec's %s kernel; using torch's matmul",
+                 ", ".join(missing), name)
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("cpu_matmul: no C compiler (cc) to build specdec's %s kernel; using torch's matmul", name)
+        return None
+    source = CSRC / f"{name}.c"
+    key = hashlib.sha256(source.read_bytes() + " ".join((cc, *CFLAGS)).encode() + _cpu_signature().encode())
+    path = models.cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+            if done.returncode != 0:
+                log.warning("cpu_matmul: specdec's %s kernel does not build for this CPU (%s); using torch's "
+                            "matmul:\n%s", name, cc, done.stderr.strip()[-2000:])
+                return None
+            os.replace(tmp, path)  # atomic: the target and draft services may build it at once
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    log.info("cpu_matmul: specdec's %s kernel from %s", name, path)
+    return ctypes.CDLL(str(path))
+
+
+@functools.cache
+def skinny() -> ctypes.CDLL | None:
+    """csrc/skinny_gemm.c (float32 weights; AVX2 with FMA, or AVX-512)."""
+    lib = _build("skinny_gemm", ("avx2", "fma"))
+    if lib is not None:
+        lib.skinny_gemm_f32.restype = None
+        lib.skinny_gemm_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                        ctypes.c_long, ctypes.c_void_p]
+    return lib
+
+
+@functools.cache
+def lowbit() -> ctypes.CDLL | None:
+    """csrc/int4_gemm.c (4- and 8-bit weights, 8-bit activations; AVX-512 VNNI)."""
+    lib = _build("int4_gemm", ("avx512f", "avx512bw", "avx512_vnni"))
+    if lib is not None:
+        lib.lowbit_gemm.restype = None
+        lib.lowbit_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
+                                    ctypes.c_void_p]
+        lib.lowbit_scratch_bytes.restype = ctypes.c_long
+        lib.lowbit_scratch_bytes.argtypes = [ctypes.c_long, ctypes.c_long]
+    return lib
+
+
+@dataclass(frozen=True)
+class PackedF32Weight:
+    """A float32 [in, out] weight packed for skinny_gemm.c: panels of PANEL output columns,
+    each [in, PANEL] contiguous. The same bytes as the dense matrix, another order."""
+
+    panels: torch.Tensor  # [out/PANEL, in, PANEL] float32
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> "PackedF32Weight":
+        """w [in, out] float32 on the CPU, out % PANEL == 0."""
+        k, n = w.shape
+        if w.dtype != torch.float32 or w.device.type != "cpu" or n % PANEL:
+            raise ValueError(f"PackedF32Weight takes a float32 CPU matrix with a multiple of {PANEL} columns, "
+                             f"got {w.dtype} on {w.device}, [{k}, {n}]")
+        return cls(w.detach().view(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous())
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.panels.shape[0] * PANEL
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 -> [T, out] float32."""
+        lib = skinny()
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)  # [T, out]
+        if rows:
+            lib.skinny_gemm_f32(x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.out_features,
+                                y.data_ptr())
+        return y
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> the matrix's columns [T, in] (a tied output head's embedding rows)."""
+        return self.panels[ids // PANEL, :, ids % PANEL]  # [T, in]
+
+    def dense(self) -> torch.Tensor:
+        """The [in, out] matrix as torch lays it out (tests)."""
+        return self.panels.permute(1, 0, 2).reshape(self.in_features, self.out_features)
+
+    def storages(self) -> list[torch.Tensor]:
+        return [self.panels]
+
+
+# inputs per group: the 4-bit weights' scales (as torch's Int4Weight), and the activations' int8
+# scales (int4_gemm.c's G)
+GROUP = int4.GROUP
+
+
+def _lowbit_matmul(bits: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: int) -> torch.Tensor:
+    """x [T, in] float32 or bfloat16 -> [T, out] in x's dtype (int4_gemm.c)."""
+    lib = lowbit()
+    x = x.contiguous()
+    rows, k = x.shape
+    y = torch.empty(rows, out, dtype=x.dtype)  # [T, out]
+    if rows:
+        scratch = torch.empty(lib.lowbit_scratch_bytes(rows, k), dtype=torch.uint8)
+        bf16 = int(x.dtype == torch.bfloat16)
+        lib.lowbit_gemm(bits, x.data_ptr(), bf16, rows, k, codes.data_ptr(), scales.data_ptr(), out, y.data_ptr(),
+                        bf16, scratch.data_ptr())
+    return y
+
+
+def _check_lowbit(w: torch.Tensor, kind: str) -> None:
+    k, n = w.shape
+    if k % GROUP or n % PANEL:
+        raise ValueError(f"{kind} needs input features divisible by {GROUP} and output features by {PANEL}, "
+                         f"got [{k}, {n}]")
+
+
+@dataclass(frozen=True)
+class PackedInt4Weight:
+    """A [in, out] weight on the Q4_1 grid for int4_gemm.c: per group of GROUP input rows and per
+    output column, w = d * q + lo with q in 0..15 (d and lo in float32, the group's min/max
+    range in 15 steps). Against int8 activations (each row's groups of GROUP scaled to +-127)."""
+
+    codes: torch.Tensor  # [out/16, in/8, 64] uint8: two 4-bit codes a byte (int4_gemm.c's layout)
+    scales: torch.Tensor  # [out/16, in/GROUP, 2, 16] float32: d, then lo, of each group's 16 outputs
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "PackedInt4Weight":
+        """w [in, out] (any float dtype) -> 4-bit codes per group of GROUP input rows."""
+        _check_lowbit(w, "PackedInt4Weight")
+        k, n = w.shape
+        p, ng = n // PANEL, k // GROUP
+        groups = w.detach().float().t().reshape(n, ng, GROUP)  # [out, in/G, G]
+        low, high = groups.amin(-1), groups.amax(-1)  # [out, in/G]
+        d = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)  # [out, in/G]
+        q = torch.round((groups - low.unsqueeze(-1)) / d.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)  # [out, in/G, G]
+        halves = q.view(p, PANEL, k // 8, 2, 4)  # [out/16, 16, in/8, 2, 4]: inputs 8b+t (low) and 8b+4+t (high)
+        codes = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()  # [out/16, in/8, 16, 4]
+        scales = torch.stack([d, low], -1).view(p, PANEL, ng, 2).permute(0, 2, 3, 1).contiguous()  # [out/16, in/G, 2, 16]
+        return cls(codes.view(p, k // 8, 64), scales, k, n)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 or bfloat16 -> [T, out], the same dtype."""
+        return _lowbit_matmul(4, x, self.codes, self.scales, self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        """The [in, out] float32 matrix the codes stand for (tests)."""
+        p, k, n = self.out_features // PANEL, self.in_features, self.out_features
+        b = self.codes.view(p, k // 8, PANEL, 4)
+        q = torch.stack([b & 15, b >> 4], 3).permute(0, 2, 1, 3, 4).reshape(n, k).float()  # [out, in]
+        d, lo = self.scales[:, :, 0].permute(0, 2, 1).reshape(n, -1), self.scales[:, :, 1].permute(0, 2, 1).reshape(n, -1)
+        return (q.view(n, -1, GROUP) * d.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).t()  # [in, out]
+
+    def storages(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales]
+
+
+@dataclass(frozen=True)
+class PackedInt8Weight:
+    """An output head in 8 bits for int4_gemm.c: per output column, w = s * c with c in -127..127
+    (stored c + 128), against int8 activations. Half the bytes of bf16."""
+
+    codes: torch.Tensor  # [out/16, in/4, 16, 4] uint8: c + 128
+    scales: torch.Tensor  # [out] float32
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 4
+
+    @property
+    def out_features(self) -> int:
+        return self.scales.shape[0]
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "PackedInt8Weight":
+        """w [in, out] (any float dtype) -> 8-bit codes per output column."""
+        _check_lowbit(w, "PackedInt8Weight")
+        k, n = w.shape
+        cols = w.detach().float().t()  # [out, in]
+        s = (cols.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
+        c = torch.round(cols / s.unsqueeze(1)).clamp_(-127, 127).to(torch.int16) + 128  # [out, in]
+        codes = c.to(torch.uint8).view(n // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return cls(codes, s.contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 or bfloat16 -> [T, out], the same dtype."""
+        return _lowbit_matmul(8, x, self.codes, self.scales, self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        """The [in, out] float32 matrix the codes stand for (tests)."""
+        c = self.codes.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features).float() - 128  # [out, in]
+        return (c * self.scales.unsqueeze(1)).t()
+
+    def storages(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales]

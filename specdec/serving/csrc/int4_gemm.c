@@ -1,0 +1,215 @@
+/* 4-bit and 8-bit weights against 8-bit activations, for drafts on CPUs with AVX-512 VNNI:
+ * y[M, N] = x[M, K] @ W[K, N], with W stored in few bits and x quantized here per row and group.
+ *
+ * Built by specdec/serving/cpu_gemm.py (-O3 -march=native), called through ctypes,
+ * single-threaded. A draft needs no exactness (the target checks every token), only agreement
+ * with the target and speed; this is llama.cpp's Q4_1 x Q8_1 arithmetic, on vpdpbusd.
+ *
+ * Activations: each row is cut into groups of G = 32 inputs; a group's scale is its largest
+ * |x| / 127, and x is rounded to int8 codes xq with it (xq_sum = the group's sum of codes).
+ *
+ * Int4 weights (the Q4_1 grid): per group of 32 inputs and per output n, w = d * q + lo with
+ * q in 0..15. Then sum_k w x = sum_groups sx * (d * sum_k q xq + lo * xq_sum).
+ * Int8 weights (an output head, one scale per output): w = s * c with c in -127..127, stored
+ * as c + 128 (unsigned); sum_k w x = s * sum_groups sx * (sum_k (c + 128) xq - 128 * xq_sum).
+ *
+ * Layouts, panels of 16 outputs (one 512-bit vector of int32 lanes):
+ *   int4 codes: per panel, per block of 8 inputs, 64 bytes: byte 4n + t holds q[k0 + t][n] in its
+ *     low nibble and q[k0 + 4 + t][n] in its high nibble (t = 0..3): one vpdpbusd per nibble half;
+ *   int4 scales: per panel, per group, 32 floats: d[0..15] then lo[0..15];
+ *   int8 codes: per panel, per block of 4 inputs, 64 bytes: byte 4n + t = c[k0 + t][n] + 128;
+ *   int8 scales: [N] floats.
+ * Every output is computed the same way whatever M and the tiling: the results do not depend on
+ * the rows beside it.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
+#error "int4_gemm.c needs AVX-512 with VNNI"
+#endif
+
+#define G 32      /* inputs per activation group (and per int4 weight group) */
+#define PANEL 16  /* outputs per panel */
+#define MAXR 6    /* rows per tile */
+
+/* x [M, K] (float32, or bfloat16 when x_bf16) -> xq [M, K] int8, sx [M, K/G], xs [M, K/G] = sx * xq_sum */
+static void quantize_rows(const void *x, int x_bf16, long M, long K, int8_t *xq, float *sx, float *xs)
+{
+    const long ng = K / G;
+    for (long m = 0; m < M; m++) {
+        for (long g = 0; g < ng; g++) {
+            __m512 v[2];
+            for (int h = 0; h < 2; h++) {
+                const long off = m * K + g * G + h * 16;
+                if (x_bf16) {
+                    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + off));
+                    v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+                } else {
+                    v[h] = _mm512_loadu_ps((const float *)x + off);
+                }
+            }
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            for (int h = 0; h < 2; h++) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv))); /* round to nearest */
+                sum += _mm512_reduce_add_epi32(q);
+                _mm_storeu_si128((__m128i *)(xq + m * K + g * G + h * 16), _mm512_cvtsepi32_epi8(q));
+            }
+            sx[m * ng + g] = s;
+            xs[m * ng + g] = s * (float)sum;
+        }
+    }
+}
+
+static inline void store_row(void *y, int y_bf16, long off, __m512 v)
+{
+    if (y_bf16) { /* round to nearest even */
+        __m512i u = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    } else {
+        _mm512_storeu_ps((float *)y + off, v);
+    }
+}
+
+/* int4: one tile of MR rows x NR panels */
+#define TILE4(MR, NR)                                                                                        \
+    static void t4_##MR##_##NR(const int8_t *xq, const float *sx, const float *xs, long K, const uint8_t *wq, \
+                               const float *ws, void *y, int y_bf16, long N)                                 \
+    {                                                                                                        \
+        const long ng = K / G, pq = K * 8, pw = ng * 2 * PANEL;                                              \
+        const __m512i lowmask = _mm512_set1_epi8(0x0F);                                                      \
+        __m512 acc[MR * NR];                                                                                 \
+        _Pragma("GCC unroll 32") for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_ps();            \
+        for (long g = 0; g < ng; g++) {                                                                      \
+            __m512i dot[MR * NR];                                                                            \
+            _Pragma("GCC unroll 32") for (int i = 0; i < MR * NR; i++) dot[i] = _mm512_setzero_si512();     \
+            _Pragma("GCC unroll 4") for (int b = 0; b < G / 8; b++) {                                        \
+                const long kb = g * G + b * 8;                                                               \
+                __m512i b0[MR], b1[MR];                                                                      \
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                       \
+                    int32_t a0, a1;                                                                          \
+                    memcpy(&a0, xq + i * K + kb, 4);                                                         \
+                    memcpy(&a1, xq + i * K + kb + 4, 4);                                                     \
+                    b0[i] = _mm512_set1_epi32(a0);                                                           \
+                    b1[i] = _mm512_set1_epi32(a1);                                                           \
+                }                                                                                            \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                                       \
+                    const __m512i c = _mm512_loadu_si512(wq + j * pq + kb * 8);                              \
+                    const __m512i lo = _mm512_and_si512(c, lowmask);                                         \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                     \
+                        dot[i * NR + j] = _mm512_dpbusd_epi32(dot[i * NR + j], lo, b0[i]);                   \
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), lowmask);                   \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                     \
+                        dot[i * NR + j] = _mm512_dpbusd_epi32(dot[i * NR + j], hi, b1[i]);                   \
+                }                                                                                            \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                                           \
+                const __m512 d = _mm512_loadu_ps(ws + j * pw + g * 2 * PANEL);                               \
+                const __m512 mins = _mm512_loadu_ps(ws + j * pw + g * 2 * PANEL + PANEL);                      \
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                       \
+                    const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(sx[i * ng + g]));                      \
+                    acc[i * NR + j] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot[i * NR + j]), acc[i * NR + j]); \
+                    acc[i * NR + j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[i * ng + g]), acc[i * NR + j]);  \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                 \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) store_row(y, y_bf16, i * N + j * PANEL, acc[i * NR + j]); \
+    }
+
+/* int8: one tile of MR rows x NR panels */
+#define TILE8(MR, NR)                                                                                        \
+    static void t8_##MR##_##NR(const int8_t *xq, const float *sx, const float *xs, long K, const uint8_t *wq, \
+                               const float *ws, void *y, int y_bf16, long N)                                 \
+    {                                                                                                        \
+        const long ng = K / G, pq = K * PANEL;                                                               \
+        __m512 acc[MR * NR];                                                                                 \
+        _Pragma("GCC unroll 32") for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_ps();            \
+        float corr[MR];                                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) corr[i] = 0.0f;                                 \
+        for (long g = 0; g < ng; g++) {                                                                      \
+            __m512i dot[MR * NR];                                                                            \
+            _Pragma("GCC unroll 32") for (int i = 0; i < MR * NR; i++) dot[i] = _mm512_setzero_si512();     \
+            _Pragma("GCC unroll 8") for (int b = 0; b < G / 4; b++) {                                        \
+                const long kb = g * G + b * 4;                                                               \
+                __m512i c[NR];                                                                               \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) c[j] = _mm512_loadu_si512(wq + j * pq + kb * PANEL); \
+                _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                       \
+                    int32_t a;                                                                               \
+                    memcpy(&a, xq + i * K + kb, 4);                                                          \
+                    const __m512i bb = _mm512_set1_epi32(a);                                                 \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                     \
+                        dot[i * NR + j] = _mm512_dpbusd_epi32(dot[i * NR + j], c[j], bb);                    \
+                }                                                                                            \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                           \
+                const __m512 s = _mm512_set1_ps(sx[i * ng + g]);                                             \
+                corr[i] += 128.0f * xs[i * ng + g];                                                          \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                         \
+                    acc[i * NR + j] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[i * NR + j]), acc[i * NR + j]); \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                 \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                                           \
+                const __m512 s = _mm512_loadu_ps(ws + j * PANEL);                                            \
+                store_row(y, y_bf16, i * N + j * PANEL,                                                      \
+                          _mm512_mul_ps(s, _mm512_sub_ps(acc[i * NR + j], _mm512_set1_ps(corr[i]))));         \
+            }                                                                                                \
+    }
+
+#define TILES(T) T(1, 8) T(2, 4) T(3, 3) T(4, 2) T(5, 2) T(6, 2) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1)
+TILES(TILE4)
+TILES(TILE8)
+static const int NR_FOR[MAXR + 1] = {0, 8, 4, 3, 2, 2, 2};
+
+typedef void (*tile_fn)(const int8_t *, const float *, const float *, long, const uint8_t *, const float *, void *,
+                        int, long);
+#define CASE(P, MR, NR) case (MR) * 16 + (NR): return P##_##MR##_##NR;
+#define CASES(P)                                                                                            \
+    CASE(P, 1, 8) CASE(P, 2, 4) CASE(P, 3, 3) CASE(P, 4, 2) CASE(P, 5, 2) CASE(P, 6, 2) CASE(P, 1, 1)        \
+    CASE(P, 2, 1) CASE(P, 3, 1) CASE(P, 4, 1) CASE(P, 5, 1) CASE(P, 6, 1)
+static tile_fn pick(int bits, int mr, int nr)
+{
+    if (bits == 4) {
+        switch (mr * 16 + nr) { CASES(t4) }
+    } else {
+        switch (mr * 16 + nr) { CASES(t8) }
+    }
+    return 0;
+}
+
+/* scratch for the quantized activations: xq [M, K] int8, then sx and xs [M, K/G] floats each */
+long lowbit_scratch_bytes(long M, long K) { return M * K + 2 * M * (K / G) * (long)sizeof(float) + 64; }
+
+/* bits 4 or 8; wq, ws as in the header; x [M, K]; y [M, N]; K % 32 == 0, N % 16 == 0 */
+void lowbit_gemm(int bits, const void *x, int x_bf16, long M, long K, const uint8_t *wq, const float *ws, long N,
+                 void *y, int y_bf16, void *scratch)
+{
+    int8_t *xq = (int8_t *)scratch;
+    float *sx = (float *)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
+    float *xs = sx + M * (K / G);
+    quantize_rows(x, x_bf16, M, K, xq, sx, xs);
+    const long np = N / PANEL;
+    const long pq = bits == 4 ? K * 8 : K * PANEL;                 /* code bytes per panel */
+    const long pw = bits == 4 ? (K / G) * 2 * PANEL : PANEL;       /* scale floats per panel */
+    const long ng = K / G;
+    const int nr0 = M <= MAXR ? NR_FOR[M] : 2;
+    for (long p = 0; p < np;) { /* a column group's panels stay in cache while every row tile passes */
+        const int nr = p + nr0 <= np ? nr0 : 1;
+        for (long m0 = 0; m0 < M; m0 += MAXR) {
+            const int mr = M - m0 < MAXR ? (int)(M - m0) : MAXR;
+            int use = nr;
+            if (!pick(bits, mr, use)) use = 1;
+            for (int j = 0; j < nr; j += use)
+                pick(bits, mr, use)(xq + m0 * K, sx + m0 * ng, xs + m0 * ng, K, wq + (p + j) * pq, ws + (p + j) * pw,
+                                    (char *)y + (m0 * N + (p + j) * PANEL) * (y_bf16 ? 2 : 4), y_bf16, N);
+        }
+        p += nr;
+    }
+}

@@ -1,0 +1,187 @@
+"""specdec's CPU matmul kernels (specdec.serving.cpu_gemm): the float32 kernel equals torch's
+matmul to rounding and gives a row the same bits whatever rows share the call; the 4- and 8-bit
+kernels compute exactly the quantized arithmetic they document; where a kernel cannot be built
+the runner uses torch's matmul."""
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+
+import pytest
+import torch
+
+from specdec.serving import cpu_gemm
+from specdec.serving.cpu_gemm import GROUP, PANEL, PackedF32Weight, PackedInt4Weight, PackedInt8Weight
+
+BUILDABLE = platform.machine().lower() in ("x86_64", "amd64") and cpu_gemm._compiler() is not None
+
+
+def _cpu_flags() -> str:
+    try:
+        return next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+
+
+needs_skinny = pytest.mark.skipif(not (BUILDABLE and " avx2" in _cpu_flags() and " fma" in _cpu_flags()),
+                                  reason="skinny_gemm.c needs x86-64 with AVX2 and FMA, and a C compiler")
+needs_vnni = pytest.mark.skipif(not (BUILDABLE and " avx512_vnni" in _cpu_flags()),
+                                reason="int4_gemm.c needs AVX-512 VNNI and a C compiler")
+
+
+@needs_skinny
+def test_the_kernels_build_on_a_cpu_that_has_what_they_need():
+    assert cpu_gemm.skinny() is not None
+
+
+@needs_vnni
+def test_the_lowbit_kernel_builds_on_a_vnni_cpu():
+    assert cpu_gemm.lowbit() is not None
+
+
+@needs_skinny
+@pytest.mark.parametrize("k, n", [(64, 16), (96, 80), (576, 192)])
+def test_packed_f32_is_torch_matmul_and_row_independent(k, n):
+    """Every row count from 1 to past two tiles: close to x @ w, and each row's bits equal the
+    same row computed alone (so a verify's logits equal one-token decodes' in the linear layers)."""
+    torch.manual_seed(k + n)
+    w = torch.randn(k, n)  # [in, out]
+    pw = PackedF32Weight.pack(w)
+    assert (pw.in_features, pw.out_features) == (k, n)
+    assert torch.equal(pw.dense(), w)
+    x = torch.randn(30, k)  # [T, in]
+    alone = torch.cat([pw.matmul(x[i:i + 1]) for i in range(30)])  # [30, out]
+    torch.testing.assert_close(alone, x.double().matmul(w.double()).float(), rtol=1e-5, atol=1e-4)
+    for rows in (*range(1, 16), 24, 25, 30):
+        got = pw.matmul(x[:rows])
+        assert got.shape == (rows, n) and torch.equal(got, alone[:rows]), rows
+    assert pw.matmul(x[:0]).shape == (0, n)
+    shuffled = torch.randperm(30)
+    assert torch.equal(pw.matmul(x[shuffled]), alone[shuffled])
+
+
+@needs_skinny
+def test_packed_f32_columns_are_a_tied_embedding():
+    w = torch.randn(32, 48)  # [hidden, V]
+    ids = torch.tensor([0, 47, 5, 16, 5])
+    assert torch.equal(PackedF32Weight.pack(w).columns(ids), w[:, ids].t())
+
+
+def test_packing_refuses_what_the_kernels_cannot_take():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PackedF32Weight.pack(torch.randn(32, 40))
+    with pytest.raises(ValueError, match="float32"):
+        PackedF32Weight.pack(torch.randn(32, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="divisible"):
+        PackedInt4Weight.quantize(torch.randn(40, 48))
+    with pytest.raises(ValueError, match="divisible"):
+        PackedInt8Weight.quantize(torch.randn(64, 40))
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] -> what the kernel multiplies: each row's groups of GROUP rounded to 255 levels."""
+    g = x.float().view(x.shape[0], -1, GROUP)  # [T, in/G, G]
+    amax = g.abs().amax(-1, keepdim=True)  # [T, in/G, 1]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127.0)).view_as(x)  # [T, in]
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", [PackedInt4Weight, PackedInt8Weight])
+def test_lowbit_weights_compute_the_quantized_arithmetic(kind):
+    """The codes stand for a matrix near w (half a level); the matmul is that matrix against
+    int8-rounded activations, to float rounding; a row's bits do not depend on the rows beside it;
+    bfloat16 in gives that result rounded to bfloat16."""
+    torch.manual_seed(3)
+    k, n = 128, 96
+    w = torch.randn(k, n)  # [in, out]
+    qw = kind.quantize(w)
+    assert (qw.in_features, qw.out_features) == (k, n)
+    dense = qw.dense()  # [in, out]
+    if kind is PackedInt4Weight:
+        groups = w.t().reshape(n, -1, GROUP)
+        level = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(GROUP, 1).t()  # [in, out]
+    else:
+        level = (w.abs().amax(0) / 127).expand(k, n)
+    assert bool(((dense - w).abs() <= level / 2 + 1e-5).all())
+    x = torch.randn(20, k)  # [T, in]
+    want = _int8_activations(x).double().matmul(dense.double())  # [T, out]
+    got = qw.matmul(x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
+    alone = torch.cat([qw.matmul(x[i:i + 1]) for i in range(20)])
+    for rows in (1, 2, 3, 5, 6, 7, 13, 20):
+        assert torch.equal(qw.matmul(x[:rows]), alone[:rows]), rows
+    xb = x.bfloat16()
+    gb = qw.matmul(xb)
+    assert gb.dtype == torch.bfloat16
+    assert torch.equal(gb, qw.matmul(xb.float()).bfloat16())  # the float32 result, rounded to nearest even
+
+
+def test_a_kernel_that_cannot_be_built_is_none_with_the_reason(monkeypatch, tmp_path, caplog):
+    """Not x86, a CPU without the instructions, no compiler, or a build that fails: None and a log line (the runner then uses
+    torch's matmul); nothing half-written is left in the cache."""
+    build = cpu_gemm._build.__wrapped__
+    caplog.set_level(logging.INFO, logger=cpu_gemm.__name__)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert build("skinny_gemm") is None and "x86-64" in caplog.text
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert build("skinny_gemm", ("avx2", "no_such_flag")) is None and "lacks no_such_flag" in caplog.text
+    monkeypatch.setattr(cpu_gemm, "_compiler", lambda: None)
+    assert build("skinny_gemm") is None and "no C compiler" in caplog.text
+    if shutil.which("cc") is None:
+        return
+    monkeypatch.setattr(cpu_gemm, "_compiler", lambda: shutil.which("cc"))
+    (tmp_path / "broken.c").write_text("this is not C\n")
+    monkeypatch.setattr(cpu_gemm, "CSRC", tmp_path)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert build("broken") is None and "does not build" in caplog.text
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_the_runner_falls_back_to_torch_matmul_without_the_kernel(monkeypatch):
+    """cpu_matmul = specdec where the kernel is missing: plain tensors, the same logits as
+    cpu_matmul = torch. An unknown cpu_matmul is refused."""
+    from specdec.serving.batch import SeqChunk
+    from specdec.serving.paged_llama import PagedLlamaRunner
+    from tests.test_paged_llama import tiny_model
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(cpu_gemm, "skinny", lambda: None)
+    monkeypatch.setattr(cpu_gemm, "lowbit", lambda: None)
+    r = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4)
+    assert isinstance(r.weights.lm_head, torch.Tensor) and isinstance(r.weights.layers[0].qkv, torch.Tensor)
+    r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True)
+    assert not isinstance(r4.weights.layers[0].qkv, PackedInt4Weight)
+    rt = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_matmul="torch")
+    toks = [3, 9, 27, 81, 15]
+    (a,) = r.forward([SeqChunk(r.blocks.reserve(8), toks, 0, len(toks))])
+    (b,) = rt.forward([SeqChunk(rt.blocks.reserve(8), toks, 0, len(toks))])
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="cpu_matmul"):
+        PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_matmul="mkl")
+
+
+@needs_skinny
+def test_the_float32_runner_packs_by_default_and_a_verify_equals_decodes_in_its_matmuls():
+    """The default fp32 runner packs every matmul weight (a tied embedding reads the packed head);
+    its logits are torch's to rounding; a verify's rows are within attention's rounding of
+    one-token decodes (the matmuls add none: see the row-independence test)."""
+    from specdec.serving.batch import SeqChunk
+    from specdec.serving.paged_llama import PagedLlamaRunner
+    from tests.test_paged_llama import tiny_model
+
+    model = tiny_model("llama")
+    r = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4)
+    assert isinstance(r.weights.lm_head, PackedF32Weight) and r.weights.embed is r.weights.lm_head
+    assert all(isinstance(getattr(lw, m), PackedF32Weight) for lw in r.weights.layers
+               for m in ("qkv", "o", "gate_up", "down"))
+    rt = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4, cpu_matmul="torch")
+    assert r.facts.weight_bytes == rt.facts.weight_bytes
+    toks = [5, 17, 33, 2, 99, 64, 8, 120, 1]
+    sv, sd = r.blocks.reserve(12), r.blocks.reserve(12)
+    (verify,) = r.forward([SeqChunk(sv, toks, 0, len(toks))])  # [9, V]
+    decodes = [r.forward([SeqChunk(sd, [t], i, 1)])[0] for i, t in enumerate(toks)]
+    torch.testing.assert_close(verify, torch.cat(decodes), rtol=0, atol=1e-5)
+    (ref,) = rt.forward([SeqChunk(rt.blocks.reserve(12), toks, 0, len(toks))])
+    torch.testing.assert_close(verify, ref, rtol=1e-5, atol=1e-4)
