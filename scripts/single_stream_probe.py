@@ -31,9 +31,9 @@ CONFIGS = {  # name -> (section, field, value) overrides of the embedded default
     "k2": [("orchestrator", "default_k", 2)],
     "k3": [("orchestrator", "default_k", 3)],
     "k4": [("orchestrator", "default_k", 4)],
-    "k4-mkl": [("orchestrator", "default_k", 4), ("target", "cpu_matmul", "torch")],  # the fp32 target in MKL (before §6o)
-    "k8-mkl": [("orchestrator", "default_k", 8), ("target", "cpu_matmul", "torch")],
-    "adaptive-mkl": [("orchestrator", "default_k", 8), ("orchestrator", "adaptive_k", True), ("target", "cpu_matmul", "torch")],
+    "k4-mkl": [("orchestrator", "default_k", 4), ("target", "cpu_kernels", "torch")],  # the fp32 target in MKL (before §6o)
+    "k8-mkl": [("orchestrator", "default_k", 8), ("target", "cpu_kernels", "torch")],
+    "adaptive-mkl": [("orchestrator", "default_k", 8), ("orchestrator", "adaptive_k", True), ("target", "cpu_kernels", "torch")],
     "k6": [("orchestrator", "default_k", 6)],
     "adaptive": [("orchestrator", "default_k", 8), ("orchestrator", "adaptive_k", True)],
     "q8_0": [("draft", "engine", "llamacpp"), ("draft", "gguf_type", "q8_0")],

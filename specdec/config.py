@@ -50,9 +50,10 @@ class ModelServiceConfig(ServiceConfig):
     dtype: str = "float32"  # torch engine: float32 | bfloat16 | float16 | int4 (4-bit weights, bf16 activations; CPU)
     gguf_type: str = ""  # llamacpp engine: run the GGUF in f32 | f16 | q8_0 (a requantized copy, made once); "" = as shipped
     int4_head: str = "bfloat16"  # torch engine at dtype int4: bfloat16 head | int8 (also an int8 copy for steps of <= 4 logit rows)
-    # torch engine, float32 on the CPU: specdec (its own single-threaded kernel, specdec/serving/cpu_gemm.py:
-    # a 9-token verify at 1.4x a one-token step instead of 2.3x; torch's where it cannot be built) | torch
-    cpu_matmul: str = "specdec"
+    # torch engine on the CPU: specdec = its own single-threaded kernels (specdec/serving/cpu_gemm.py) for
+    # float32 weights (AVX2/AVX-512) and for the int4 precision (AVX-512 VNNI), torch's where they cannot be
+    # built | torch = torch's matmuls (MKL, torch's int4 kernel). README "Choosing the defaults"
+    cpu_kernels: str = "specdec"
     kv_pool_tokens: int = 16384  # the KV pool, allocated at startup: tokens over all sessions
     block_size: int = 16  # tokens per KV block
     max_step_tokens: int = 512  # tokens in one forward, all sessions together

@@ -140,8 +140,8 @@ def test_a_kernel_that_cannot_be_built_is_none_with_the_reason(monkeypatch, tmp_
 
 
 def test_the_runner_falls_back_to_torch_matmul_without_the_kernel(monkeypatch):
-    """cpu_matmul = specdec where the kernel is missing: plain tensors, the same logits as
-    cpu_matmul = torch. An unknown cpu_matmul is refused."""
+    """cpu_kernels = specdec where the kernels are missing: plain tensors and SDPA, the same
+    logits as cpu_kernels = torch. An unknown cpu_kernels is refused."""
     from specdec.serving.batch import SeqChunk
     from specdec.serving.paged_llama import PagedLlamaRunner
     from tests.test_paged_llama import tiny_model
@@ -149,24 +149,59 @@ def test_the_runner_falls_back_to_torch_matmul_without_the_kernel(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setattr(cpu_gemm, "skinny", lambda: None)
     monkeypatch.setattr(cpu_gemm, "lowbit", lambda: None)
+    monkeypatch.setattr(cpu_gemm, "attention_kernel", lambda: None)
     r = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4)
     assert isinstance(r.weights.lm_head, torch.Tensor) and isinstance(r.weights.layers[0].qkv, torch.Tensor)
     r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True)
+    assert r.arch.cpu_attention_rows == 0 and r4.arch.cpu_attention_rows == 0
     assert not isinstance(r4.weights.layers[0].qkv, PackedInt4Weight)
-    rt = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_matmul="torch")
+    rt = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_kernels="torch")
     toks = [3, 9, 27, 81, 15]
     (a,) = r.forward([SeqChunk(r.blocks.reserve(8), toks, 0, len(toks))])
     (b,) = rt.forward([SeqChunk(rt.blocks.reserve(8), toks, 0, len(toks))])
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="cpu_matmul"):
-        PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_matmul="mkl")
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_kernels="mkl")
+
+
+needs_avx512 = pytest.mark.skipif(not (BUILDABLE and " avx512f" in _cpu_flags()),
+                                  reason="paged_attention.c needs AVX-512 and a C compiler")
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_is_softmax_attention_row_by_row(dtype, window):
+    """Each row attends to its own sequence's keys 0..pos (the last `window` of them) through
+    its block table, GQA; the float64 reference to rounding; a row's bits alone == in a batch."""
+    torch.manual_seed(7)
+    bs, hkv, g, d = 4, 3, 3, 64
+    k, v = torch.randn(160, hkv, d).to(dtype), torch.randn(160, hkv, d).to(dtype)  # [S, Hkv, D]
+    tables = torch.tensor([[5, 2, 9, 11, 30, 0], [7, 3, 1, 0, 0, 0]])  # [B, MB]
+    seq, pos = torch.tensor([0] * 9 + [1]), torch.tensor([*range(10, 19), 6])  # [T]
+    q = torch.randn(10, hkv * g, d).to(dtype)  # [T, Hq, D]
+    scratch = cpu_gemm.attention_scratch(24, g)
+    got = cpu_gemm.paged_attention(q, k, v, tables, bs, seq, pos, window, d ** -0.5, scratch)  # [T, Hq*D]
+    assert got.dtype == dtype and got.shape == (10, hkv * g * d)
+    for t in range(10):
+        b, p = int(seq[t]), int(pos[t])
+        keys = range(0 if window is None else max(0, p - window + 1), p + 1)
+        slots = torch.tensor([int(tables[b][j // bs]) * bs + j % bs for j in keys])
+        kk, vv = k[slots].double(), v[slots].double()  # [n, Hkv, D]
+        want = torch.cat([torch.softmax(kk[:, h // g] @ q[t, h].double() * d ** -0.5, 0) @ vv[:, h // g]
+                          for h in range(hkv * g)])  # [Hq*D]
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bf16: the output's rounding
+        torch.testing.assert_close(got[t].double(), want, rtol=tol, atol=tol)
+        alone = cpu_gemm.paged_attention(q[t:t + 1], k, v, tables, bs, seq[t:t + 1], pos[t:t + 1], window,
+                                         d ** -0.5, scratch)
+        assert torch.equal(alone[0], got[t])
 
 
 @needs_skinny
-def test_the_float32_runner_packs_by_default_and_a_verify_equals_decodes_in_its_matmuls():
-    """The default fp32 runner packs every matmul weight (a tied embedding reads the packed head);
-    its logits are torch's to rounding; a verify's rows are within attention's rounding of
-    one-token decodes (the matmuls add none: see the row-independence test)."""
+def test_the_float32_runner_packs_by_default():
+    """The default fp32 runner packs every matmul weight (a tied embedding reads the packed head)
+    and attends with SDPA; its logits are torch's to rounding; a verify's rows are within
+    attention's rounding of one-token decodes (the matmuls add none)."""
     from specdec.serving.batch import SeqChunk
     from specdec.serving.paged_llama import PagedLlamaRunner
     from tests.test_paged_llama import tiny_model
@@ -176,7 +211,8 @@ def test_the_float32_runner_packs_by_default_and_a_verify_equals_decodes_in_its_
     assert isinstance(r.weights.lm_head, PackedF32Weight) and r.weights.embed is r.weights.lm_head
     assert all(isinstance(getattr(lw, m), PackedF32Weight) for lw in r.weights.layers
                for m in ("qkv", "o", "gate_up", "down"))
-    rt = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4, cpu_matmul="torch")
+    assert r.arch.cpu_attention_rows == 0
+    rt = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4, cpu_kernels="torch")
     assert r.facts.weight_bytes == rt.facts.weight_bytes
     toks = [5, 17, 33, 2, 99, 64, 8, 120, 1]
     sv, sd = r.blocks.reserve(12), r.blocks.reserve(12)
@@ -185,3 +221,28 @@ def test_the_float32_runner_packs_by_default_and_a_verify_equals_decodes_in_its_
     torch.testing.assert_close(verify, torch.cat(decodes), rtol=0, atol=1e-5)
     (ref,) = rt.forward([SeqChunk(rt.blocks.reserve(12), toks, 0, len(toks))])
     torch.testing.assert_close(verify, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_vnni
+@needs_avx512
+def test_the_int4_runner_attends_in_the_kernel_for_small_steps():
+    """An int4 runner's steps of at most KERNEL_ATTENTION_ROWS tokens attend in the kernel, larger
+    ones with SDPA; both give the same logits to bf16 rounding."""
+    import dataclasses
+
+    from specdec.serving.batch import SeqChunk
+    from specdec.serving.paged_llama import KERNEL_ATTENTION_ROWS, PagedLlamaRunner
+    from tests.test_paged_llama import tiny_model
+
+    r = PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_blocks=16, block_size=4, int4=True)
+    assert r.arch.cpu_attention_rows == KERNEL_ATTENTION_ROWS
+    toks = [5, 17, 33, 2, 99, 64, 8, 120, 1, 44]
+    seq = r.blocks.reserve(14)
+    r.forward([SeqChunk(seq, toks[:7], 0, 0)])
+    got = {}
+    for rows in (KERNEL_ATTENTION_ROWS, 0):
+        r.arch = dataclasses.replace(r.arch, cpu_attention_rows=rows)
+        (got[rows],) = r.forward([SeqChunk(seq, toks[7:], 7, 3)])  # 3 tokens: the kernel, then SDPA
+        r.truncate(seq, 7)
+    assert not torch.equal(got[0], got[KERNEL_ATTENTION_ROWS])  # two different computations ...
+    torch.testing.assert_close(got[0].float(), got[KERNEL_ATTENTION_ROWS].float(), rtol=0.02, atol=0.02)  # ... of one thing

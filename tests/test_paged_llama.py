@@ -314,15 +314,15 @@ def test_int4_weight_finds_a_4bit_grid_again():
             Int4Weight.quantize(bad)
 
 
-@pytest.mark.parametrize("cpu_matmul", ["specdec", "torch"])
-def test_int4_runner_is_close_to_fp32_and_batches(cpu_matmul):
+@pytest.mark.parametrize("cpu_kernels", ["specdec", "torch"])
+def test_int4_runner_is_close_to_fp32_and_batches(cpu_kernels):
     """int4: 4-bit layers (specdec's kernel or torch's), bf16 elsewhere; near the fp32 model, and
     the same sequence gives (nearly) the same logits alone or next to others in one step."""
     model = tiny_model("llama")
     r32 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4)
-    r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, cpu_matmul=cpu_matmul)
+    r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, cpu_kernels=cpu_kernels)
     assert r4.facts.dtype == "int4" and r4.pool.k.dtype == torch.bfloat16
-    kind = PackedInt4Weight if cpu_matmul == "specdec" and cpu_gemm.lowbit() is not None else Int4Weight
+    kind = PackedInt4Weight if cpu_kernels == "specdec" and cpu_gemm.lowbit() is not None else Int4Weight
     assert all(isinstance(getattr(lw, m), kind) for lw in r4.weights.layers for m in ("qkv", "o", "gate_up", "down"))
     assert r4.weights.embed.data_ptr() == r4.weights.lm_head.data_ptr()  # tied: one bf16 copy
     assert r4.facts.weight_bytes < r32.facts.weight_bytes / 2
@@ -340,8 +340,8 @@ def test_int4_runner_is_close_to_fp32_and_batches(cpu_matmul):
     assert got_b.shape == (8, VOCAB)
 
 
-@pytest.mark.parametrize("cpu_matmul", ["specdec", "torch"])
-def test_int8_head_is_within_half_a_level_and_serves_the_small_steps(cpu_matmul):
+@pytest.mark.parametrize("cpu_kernels", ["specdec", "torch"])
+def test_int8_head_is_within_half_a_level_and_serves_the_small_steps(cpu_kernels):
     """Int8Weight: every weight within half its row's level of the original (and the bf16
     rounding of the scale), the matmul is the dequantized matrix's. int4_head = int8 adds an
     int8 copy of the head of half the bf16 head's bytes: steps of at most SMALL_HEAD_ROWS logit
@@ -358,12 +358,12 @@ def test_int8_head_is_within_half_a_level_and_serves_the_small_steps(cpu_matmul)
     torch.testing.assert_close(iw.matmul(x).float(), x.float() @ iw.dequantize(), atol=0.05, rtol=0.02)
 
     model = tiny_model("llama")
-    bf16_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, cpu_matmul=cpu_matmul)
+    bf16_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, cpu_kernels=cpu_kernels)
     int8_head = PagedLlamaRunner.from_hf_model(model, num_blocks=32, block_size=4, int4=True, int4_head="int8",
-                                               cpu_matmul=cpu_matmul)
+                                               cpu_kernels=cpu_kernels)
     assert bf16_head.weights.small_head is None
     small = int8_head.weights.small_head
-    ours = cpu_matmul == "specdec" and cpu_gemm.lowbit() is not None
+    ours = cpu_kernels == "specdec" and cpu_gemm.lowbit() is not None
     assert isinstance(small, PackedInt8Weight if ours else Int8Weight)
     assert small.codes.nbytes == bf16_head.weights.lm_head.nbytes // 2
     assert int8_head.facts.weight_bytes == bf16_head.facts.weight_bytes + small.codes.nbytes + small.scales.nbytes

@@ -34,15 +34,15 @@ class Variant:
     engine: str  # torch | llamacpp
     precision: str  # torch dtype, or a GGUF type ("" = as shipped)
     int4_head: str = "int8"  # torch int4: the output head (int8 as the draft service builds it, or bfloat16)
-    cpu_matmul: str = "specdec"  # torch float32 and int4: specdec's kernels (as the services build them) or torch's
+    cpu_kernels: str = "specdec"  # torch float32 and int4: specdec's kernels (as the services build them) or torch's
 
 
 VARIANTS = {
     "torch-fp32": Variant("torch-fp32", "torch", "float32"),
-    "torch-fp32-mkl": Variant("torch-fp32-mkl", "torch", "float32", cpu_matmul="torch"),
+    "torch-fp32-mkl": Variant("torch-fp32-mkl", "torch", "float32", cpu_kernels="torch"),
     "torch-bf16": Variant("torch-bf16", "torch", "bfloat16"),
     "torch-int4": Variant("torch-int4", "torch", "int4"),
-    "torch-int4-torch": Variant("torch-int4-torch", "torch", "int4", cpu_matmul="torch"),
+    "torch-int4-torch": Variant("torch-int4-torch", "torch", "int4", cpu_kernels="torch"),
     "torch-int4-bf16-head": Variant("torch-int4-bf16-head", "torch", "int4", "bfloat16"),
     "llamacpp-f32": Variant("llamacpp-f32", "llamacpp", "f32"),
     "llamacpp-f16": Variant("llamacpp-f16", "llamacpp", "f16"),
@@ -58,7 +58,7 @@ def load(v: Variant, model: str, seqs: int):
 
     cfg = ModelServiceConfig(engine=v.engine, model=model, dtype=v.precision if v.engine == "torch" else "float32",
                              gguf_type=v.precision if v.engine == "llamacpp" else "", int4_head=v.int4_head,
-                             cpu_matmul=v.cpu_matmul,
+                             cpu_kernels=v.cpu_kernels,
                              kv_pool_tokens=seqs * 512, max_sessions=seqs)
     return load_runner(cfg, "cpu")
 

@@ -12,7 +12,7 @@ decodes' bit for bit in every linear layer (tests/test_cpu_gemm.py).
 
 The C file is compiled for the machine it runs on (`cc -O3 -march=native`), once, into
 $SPECDEC_CACHE_DIR/kernels/ (about a second), the first time a float32 model is loaded with
-`cpu_matmul = "specdec"`. Where it cannot be built (no C compiler, a CPU without AVX2 and FMA,
+`cpu_kernels = "specdec"`. Where it cannot be built (no C compiler, a CPU without AVX2 and FMA,
 not x86) the model uses torch's matmul and the log says why. The kernel is single-threaded:
 each service runs its model on its own core (`num_threads = 1`, the default).
 """
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 PANEL = 16  # columns per packed panel (skinny_gemm.c's PANEL)
-CPU_MATMULS = ("specdec", "torch")  # ModelServiceConfig.cpu_matmul
+CPU_KERNELS = ("specdec", "torch")  # ModelServiceConfig.cpu_kernels
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 
 
@@ -62,17 +62,17 @@ def _build(name: str, needs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """csrc/<name>.c built for this machine (on first use, then cached), or None with the reason
     logged once. needs: the /proc/cpuinfo flags the kernel is written for."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        log.info("cpu_matmul: specdec's %s kernel is for x86-64; using torch's matmul", name)
+        log.info("cpu_kernels: specdec's %s kernel is for x86-64; using torch's", name)
         return None
     flags = set(_cpu_signature().split())
     missing = [f for f in needs if f not in flags]
     if missing:
-        log.info("cpu_matmul: this CPU lacks %s for specdec's %s kernel; using torch's matmul",
+        log.info("cpu_kernels: this CPU lacks %s for specdec's %s kernel; using torch's",
                  ", ".join(missing), name)
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("cpu_matmul: no C compiler (cc) to build specdec's %s kernel; using torch's matmul", name)
+        log.warning("cpu_kernels: no C compiler (cc) to build specdec's %s kernel; using torch's", name)
         return None
     source = CSRC / f"{name}.c"
     key = hashlib.sha256(source.read_bytes() + " ".join((cc, *CFLAGS)).encode() + _cpu_signature().encode())
@@ -84,14 +84,14 @@ def _build(name: str, needs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         try:
             done = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True)
             if done.returncode != 0:
-                log.warning("cpu_matmul: specdec's %s kernel does not build for this CPU (%s); using torch's "
-                            "matmul:\n%s", name, cc, done.stderr.strip()[-2000:])
+                log.warning("cpu_kernels: specdec's %s kernel does not build for this CPU (%s); using torch's:\n%s",
+                            name, cc, done.stderr.strip()[-2000:])
                 return None
             os.replace(tmp, path)  # atomic: the target and draft services may build it at once
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    log.info("cpu_matmul: specdec's %s kernel from %s", name, path)
+    log.info("cpu_kernels: specdec's %s kernel from %s", name, path)
     return ctypes.CDLL(str(path))
 
 
@@ -118,6 +118,57 @@ def lowbit() -> ctypes.CDLL | None:
         lib.lowbit_scratch_bytes.restype = ctypes.c_long
         lib.lowbit_scratch_bytes.argtypes = [ctypes.c_long, ctypes.c_long]
     return lib
+
+
+@functools.cache
+def attention_kernel() -> ctypes.CDLL | None:
+    """csrc/paged_attention.c (causal attention over the paged KV pool, float32 or bfloat16; AVX-512)."""
+    lib = _build("paged_attention", ("avx512f",))
+    if lib is not None:
+        lib.paged_attention.restype = ctypes.c_int
+        lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+        lib.paged_attention_scratch_floats.restype = ctypes.c_long
+        lib.paged_attention_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
+    return lib
+
+
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    block_size: int, seq: torch.Tensor, pos: torch.Tensor, window: int | None, scale: float,
+                    scratch: torch.Tensor) -> torch.Tensor:
+    """Causal attention of each query row to its own sequence's keys 0..pos (or the last `window`).
+
+    q [T, Hq, D] (rows may be strided, heads and D contiguous), k_cache / v_cache [S, Hkv, D]
+    holding the step's keys, block_tables [B, MB] int64, seq / pos [T] int64 (each row's
+    sequence and position), scratch from attention_scratch -> [T, Hq*D] in q's dtype."""
+    lib = attention_kernel()
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    out = torch.empty(t, hq * d, dtype=q.dtype)  # [T, Hq*D]
+    rc = lib.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                             int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
+                             block_size, seq.data_ptr(), pos.data_ptr(), t, hq, hkv, d, window or 0, scale,
+                             out.data_ptr(), scratch.data_ptr())
+    if rc:
+        raise ValueError(f"paged_attention does not take Hq={hq}, Hkv={hkv}, D={d}")
+    return out
+
+
+def attention_scratch(max_keys: int, group: int) -> torch.Tensor:
+    """The float32 scratch paged_attention needs for rows of at most max_keys keys."""
+    return torch.empty(attention_kernel().paged_attention_scratch_floats(max_keys, group), dtype=torch.float32)
+
+
+def attention_takes(head_dim: int, group: int, dtype: torch.dtype) -> bool:
+    """Whether paged_attention runs this model: D a multiple of 16 up to 256, G <= 16, fp32 or bf16."""
+    return head_dim % 16 == 0 and head_dim <= 256 and group <= 16 and dtype in ATTENTION_DTYPES
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ Precision `int4` (CPU): the decoder layers' matmul weights (QKV, O, gate/up, dow
 logit rows, where reading half the bytes wins; everything else (embedding, norms, RoPE tables,
 activations, the KV pool) bf16. It is for drafts: a token costs a third of fp32.
 
-Precision float32 on the CPU with `cpu_matmul = "specdec"` (the default): every matmul weight
+Precision float32 on the CPU with `cpu_kernels = "specdec"` (the default): every matmul weight
 (QKV, O, gate/up, down, the output head) is a `PackedF32Weight` run by specdec's own kernel
 (specdec.serving.cpu_gemm): the same values, a verify of k + 1 rows at 1.4x a one-row step
 instead of 2.3x, and each row's result independent of the rows beside it. A tied embedding is
@@ -59,7 +59,7 @@ from specdec.devices import kv_pool_tokens_for_memory
 from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving import cpu_gemm
 from specdec.serving.blocks import BlockManager
-from specdec.serving.cpu_gemm import CPU_MATMULS, PANEL, PackedF32Weight, PackedInt4Weight, PackedInt8Weight
+from specdec.serving.cpu_gemm import CPU_KERNELS, PANEL, PackedF32Weight, PackedInt4Weight, PackedInt8Weight
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight, Int8Weight
 
@@ -76,6 +76,11 @@ INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
 # (scripts/int8_head_probe.py). specdec's int8 kernel (PackedInt8Weight) serves every step: against
 # bf16, 0.55/3.21 ms at 1 row, 1.67/3.98 at 9, 3.29/6.30 at 32, 7.50/13.09 at 96 (BENCHMARKS.md §6o)
 SMALL_HEAD_ROWS = 4
+# the int4 precision (drafts) attends in specdec's CPU kernel for steps of at most this many tokens:
+# the default draft's step of 1 token at 300 tokens of context costs 7.76 ms against 8.47 with SDPA,
+# 4 tokens 10.66 against 10.73; the kernel does each row alone, so 9 cost 16.99 against 16.21 and
+# prefill chunks more (scripts/cpu_kernels_probe.py, BENCHMARKS.md §6o). A float32 target keeps SDPA
+KERNEL_ATTENTION_ROWS = 4
 PRECISIONS = (*_DTYPES, INT4)
 # a weight used as x @ w: [in, out]
 Matrix = torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | PackedInt4Weight | PackedInt8Weight
@@ -100,6 +105,9 @@ class Arch:
     eps: float  # RMSNorm epsilon
     max_context: int  # positions 0..max_context-1 are valid
     windows: tuple[int | None, ...]  # per layer: sliding window, or None for full attention
+    # steps of at most this many tokens attend in specdec's CPU kernel (cpu_gemm.paged_attention: each
+    # row over its own keys, no gather, no masks) instead of gather + SDPA; 0 = never. Set by the runner
+    cpu_attention_rows: int = 0
 
     @property
     def group(self) -> int:  # G: query heads per KV head
@@ -455,10 +463,31 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, inp
     return out.index_select(0, inputs.unpad_index)  # [T, Hq*D]
 
 
+# (q [T, Hq, D], k_cache, v_cache [S, Hkv, D], the layer's window) -> [T, Hq*D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None], torch.Tensor]
+
+
+def sdpa_attend(inputs: StepInputs, arch: Arch, block_size: int, num_keys: int, dtype: torch.dtype) -> Attend:
+    """Attention for a step by gather + SDPA, with one mask per distinct window."""
+    masks = attention_masks(inputs.query_positions, num_keys, arch.group, arch.windows,
+                            dtype)  # {window: [B, 1, maxq*G, C]}
+    return lambda q, k_cache, v_cache, window: attention(q, k_cache, v_cache, inputs, masks[window], arch,
+                                                         block_size)
+
+
+def kernel_attend(inputs: StepInputs, arch: Arch, block_size: int, num_keys: int) -> Attend:
+    """Attention for a step in specdec's CPU kernel: each row attends to its own sequence's keys."""
+    seq = torch.div(inputs.unpad_index, inputs.query_index.shape[1], rounding_mode="floor")  # [T] sequence of each row
+    tables = inputs.block_tables.contiguous()  # [B, MB]
+    scratch = cpu_gemm.attention_scratch(num_keys, arch.group)
+    return lambda q, k_cache, v_cache, window: cpu_gemm.paged_attention(
+        q, k_cache, v_cache, tables, block_size, seq, inputs.positions, window, arch.scale, scratch)
+
+
 def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, inputs: StepInputs, mask: torch.Tensor,
-                  arch: Arch, block_size: int) -> torch.Tensor:
-    """x [T, hidden] -> [T, hidden]; writes this step's K/V into k_cache/v_cache [S, Hkv, D]."""
+                  cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, attend: Attend, arch: Arch
+                  ) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]; writes this step's K/V into k_cache/v_cache [S, Hkv, D] at slots [T]."""
     t = x.shape[0]
     hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     h = rms_norm(x, lw.input_norm, arch.eps)  # [T, hidden]
@@ -468,9 +497,9 @@ def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor, v_ca
     if lw.qk_norm is not None:
         qk = rms_norm(qk, lw.qk_norm, arch.eps)  # [T, Hq+Hkv, D]
     qk = apply_rope(qk, cos, sin)  # [T, Hq+Hkv, D]
-    k_cache.index_copy_(0, inputs.slots, qk[:, hq:])  # [S, Hkv, D] <- [T, Hkv, D]
-    v_cache.index_copy_(0, inputs.slots, v)  # [S, Hkv, D] <- [T, Hkv, D]
-    attn = attention(qk[:, :hq], k_cache, v_cache, inputs, mask, arch, block_size)  # [T, Hq*D]
+    k_cache.index_copy_(0, slots, qk[:, hq:])  # [S, Hkv, D] <- [T, Hkv, D]
+    v_cache.index_copy_(0, slots, v)  # [S, Hkv, D] <- [T, Hkv, D]
+    attn = attend(qk[:, :hq], k_cache, v_cache, lw.window)  # [T, Hq*D]
     x = x + linear(attn, lw.o, lw.o_bias)  # [T, hidden]
     h = rms_norm(x, lw.post_norm, arch.eps)  # [T, hidden]
     gate, up = linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
@@ -485,13 +514,12 @@ def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, sto
     cos = weights.cos.index_select(0, inputs.positions)  # [T, D]
     sin = weights.sin.index_select(0, inputs.positions)  # [T, D]
     num_keys = inputs.block_tables.shape[1] * pool.block_size  # C
-    masks = attention_masks(inputs.query_positions, num_keys, arch.group, arch.windows,
-                            x.dtype)  # {window: [B, 1, maxq*G, C]}
+    attend = (kernel_attend(inputs, arch, pool.block_size, num_keys) if x.shape[0] <= arch.cpu_attention_rows
+              else sdpa_attend(inputs, arch, pool.block_size, num_keys, x.dtype))
     for layer, lw in enumerate(weights.layers):
         if stop is not None and stop():
             raise StepAborted(f"stopped before layer {layer}")
-        x = decoder_layer(x, lw, pool.k[layer], pool.v[layer], cos, sin, inputs, masks[lw.window], arch,
-                          pool.block_size)  # [T, hidden]
+        x = decoder_layer(x, lw, pool.k[layer], pool.v[layer], cos, sin, inputs.slots, attend, arch)  # [T, hidden]
     h = x.index_select(0, inputs.logit_rows)  # [R, hidden]
     h = rms_norm(h, weights.final_norm, arch.eps)  # [R, hidden]
     small = weights.small_head is not None and (isinstance(weights.small_head, PackedInt8Weight)
@@ -542,13 +570,13 @@ class PagedLlamaRunner:
     @classmethod
     def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
              block_size: int = 16, max_seqs: int = 64, memory_share_bytes: int = 0,
-             activation_reserve: float = 0.1, int4_head: str = "bfloat16", cpu_matmul: str = "specdec"
+             activation_reserve: float = 0.1, int4_head: str = "bfloat16", cpu_kernels: str = "specdec"
              ) -> "PagedLlamaRunner":
         """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up),
         or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
         `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
         dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring), whose output
-        head is `int4_head` (bfloat16 | int8). cpu_matmul: float32 on the CPU runs its matmuls in
+        head is `int4_head` (bfloat16 | int8). cpu_kernels: float32 on the CPU runs its matmuls in
         specdec's kernel ("specdec", where it builds) or torch's ("torch")."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
@@ -569,27 +597,27 @@ class PagedLlamaRunner:
         return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
                           num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4,
                           int4_make=stored_int4(src.directory, *stored) if stored else None, int4_head=int4_head,
-                          cpu_matmul=cpu_matmul)
+                          cpu_kernels=cpu_kernels)
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
                       block_size: int = 16, max_seqs: int = 64, int4: bool = False,
-                      int4_head: str = "bfloat16", cpu_matmul: str = "specdec") -> "PagedLlamaRunner":
+                      int4_head: str = "bfloat16", cpu_kernels: str = "specdec") -> "PagedLlamaRunner":
         """Build from a loaded HF model (left intact); without a tokenizer the fingerprint is vocab-V.
-        int4: quantize a float32 model's matmul weights to 4 bits (module docstring); cpu_matmul as
+        int4: quantize a float32 model's matmul weights to 4 bits (module docstring); cpu_kernels as
         in `load`."""
         vocab = int(model.get_output_embeddings().weight.shape[0])
         fingerprint = models.tokenizer_fingerprint(tokenizer) if tokenizer is not None else f"vocab-{vocab}"
         eos = models.eos_token_ids(tokenizer, model.config) if tokenizer is not None else []
         return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=False, int4=int4,
-                          int4_head=int4_head, cpu_matmul=cpu_matmul)
+                          int4_head=int4_head, cpu_kernels=cpu_kernels)
 
     @classmethod
     def _build(cls, model, spec: str, fingerprint: str, eos: list[int], num_blocks: int, block_size: int,
                max_seqs: int, consume: bool, int4: bool = False, int4_make: MakeInt4 | None = None,
-               int4_head: str = "bfloat16", cpu_matmul: str = "specdec") -> "PagedLlamaRunner":
-        if cpu_matmul not in CPU_MATMULS:
-            raise ValueError(f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}, got {cpu_matmul!r}")
+               int4_head: str = "bfloat16", cpu_kernels: str = "specdec") -> "PagedLlamaRunner":
+        if cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
         if not supports(model.config):
             raise ValueError(f"PagedLlamaRunner does not support model_type={model.config.model_type!r} "
                              f"(rope {hf_compat.rope_type(model.config)!r}); use the transformers runner")
@@ -600,7 +628,7 @@ class PagedLlamaRunner:
         dtype, device = param.dtype, param.device
         with torch.inference_mode():
             weights = extract_weights(model, arch, consume=consume)
-            ours = cpu_matmul == "specdec" and device.type == "cpu"
+            ours = cpu_kernels == "specdec" and device.type == "cpu"
             if int4 and int4_make is not None:  # a stored INT4 checkpoint: its own codes
                 weights, dtype = quantize_int4(weights, int4_make, int4_head), torch.bfloat16
             elif int4:
@@ -610,6 +638,9 @@ class PagedLlamaRunner:
                 weights, dtype = quantize_int4(weights, head_dtype=int4_head, packed=packed), torch.bfloat16
             elif ours and packable_f32(weights) and cpu_gemm.skinny() is not None:
                 weights = pack_f32(weights)
+            if int4 and ours and cpu_gemm.attention_takes(arch.head_dim, arch.group, dtype) \
+                    and cpu_gemm.attention_kernel() is not None:
+                arch = dataclasses.replace(arch, cpu_attention_rows=KERNEL_ATTENTION_ROWS)
             pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block
         dtype_name = INT4 if int4 else {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
         facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,

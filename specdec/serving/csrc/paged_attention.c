@@ -1,0 +1,159 @@
+/* Causal attention over a paged KV pool, one query row at a time, for CPU steps (AVX-512).
+ *
+ * Built by specdec/serving/cpu_gemm.py (-O3 -march=native), called through ctypes,
+ * single-threaded. It replaces gather + SDPA in paged_llama.attention where it builds.
+ *
+ * For each query token t (of sequence b = seq[t], at position p = pos[t]) and each KV head h,
+ * the G query heads h*G .. h*G+G-1 attend to keys j = lo .. p of that sequence
+ * (lo = p - window + 1 with a sliding window, else 0), key j in pool slot
+ * block_tables[b][j / bs] * bs + j % bs:
+ *   s_j = scale * <q, k_j>;  out = sum_j exp(s_j - max s) v_j / sum_j exp(s_j - max s).
+ * Everything in float32 (bf16 inputs widened, the output rounded to nearest even).
+ *
+ * Exactness: a row's result is computed by the same operations in the same order whatever
+ * other rows share the call (its keys in order, its own scratch), so a verify's rows equal
+ * one-token decodes bit for bit here too; with skinny_gemm.c, a float32 target's verify logits
+ * equal its decodes' exactly.
+ *
+ * Why: one decode row attends to a few hundred keys; SDPA's call, the gathered copy of the
+ * blocks and the additive masks cost more than the arithmetic (BENCHMARKS.md §6o).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#if !defined(__AVX512F__)
+#error "paged_attention.c needs AVX-512"
+#endif
+
+#define VW 16      /* floats per vector */
+#define MAXD 256   /* head_dim at most */
+#define MAXG 16    /* query heads per KV head at most */
+
+static inline __m512 load16(const void *p, int bf16)
+{
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+static inline void store16(void *p, __m512 v, int bf16)
+{
+    if (bf16) { /* round to nearest even, as torch's float -> bfloat16 (no NaNs here) */
+        __m512i u = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    } else {
+        _mm512_storeu_ps((float *)p, v);
+    }
+}
+
+/* e^x for x <= 0 (x - max), 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree 6
+ * (relative error ~2e-7); below -87 it is 0 */
+static inline __m512 exp16(__m512 x)
+{
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(~tiny, p, n);
+}
+
+/* the nv vectors of head h of key `key` (a position of the sequence whose block table is
+ * `table`) from a cache [S, Hkv, D] */
+static inline void load_head(__m512 *dst, const void *cache, const int64_t *table, long key, long block_size,
+                             long hkv, long h, long d, long nv, int bf16)
+{
+    const long es = bf16 ? 2 : 4, slot = table[key / block_size] * block_size + key % block_size;
+    const char *p = (const char *)cache + ((slot * hkv + h) * d) * es;
+    for (long c = 0; c < nv; c++)
+        dst[c] = load16(p + c * VW * es, bf16);
+}
+
+long paged_attention_scratch_floats(long max_keys, long group) { return group * (max_keys + VW); }
+
+/* q [T, Hq, D] with row stride q_stride (elements); k_cache, v_cache [S, Hkv, D];
+ * block_tables [B, MB] int64; seq [T], pos [T] int64; out [T, Hq * D]; scratch of
+ * paged_attention_scratch_floats(max pos + 1, G) floats. bf16: q, caches and out are bfloat16. */
+int paged_attention(const void *q, long q_stride, const void *k_cache, const void *v_cache, int bf16,
+                    const int64_t *block_tables, long mb, long block_size, const int64_t *seq, const int64_t *pos,
+                    long T, long hq, long hkv, long d, long window, float scale, void *out, float *scratch)
+{
+    const long g = hq / hkv, nv = d / VW, es = bf16 ? 2 : 4;
+    if (d % VW || d > MAXD || g > MAXG || hq % hkv)
+        return -1;
+    for (long t = 0; t < T; t++) {
+        const long p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+        const int64_t *table = block_tables + seq[t] * mb;
+        for (long h = 0; h < hkv; h++) {
+            __m512 qv[MAXG][MAXD / VW];
+            for (long i = 0; i < g; i++)
+                for (long c = 0; c < nv; c++)
+                    qv[i][c] = load16((const char *)q + ((t * q_stride) + (h * g + i) * d + c * VW) * es, bf16);
+            /* scores: scratch[i * (n + VW) + j] */
+            for (long j = 0; j < n; j++) {
+                __m512 kv[MAXD / VW];
+                load_head(kv, k_cache, table, lo + j, block_size, hkv, h, d, nv, bf16);
+                for (long i = 0; i < g; i++) {
+                    __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);
+                    for (long c = 1; c < nv; c++)
+                        acc = _mm512_fmadd_ps(qv[i][c], kv[c], acc);
+                    scratch[i * (n + VW) + j] = _mm512_reduce_add_ps(acc) * scale;
+                }
+            }
+            for (long i = 0; i < g; i++) {
+                float *s = scratch + i * (n + VW);
+                __m512 m = _mm512_set1_ps(-INFINITY);
+                long j = 0;
+                for (; j + VW <= n; j += VW)
+                    m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+                const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+                m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + j));
+                const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+                __m512 sum = _mm512_setzero_ps();
+                for (j = 0; j + VW <= n; j += VW) {
+                    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
+                    _mm512_storeu_ps(s + j, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mx)));
+                _mm512_mask_storeu_ps(s + j, tail, e);
+                sum = _mm512_add_ps(sum, e);
+                const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+                s[n] = inv; /* kept beside the weights */
+            }
+            /* out = sum_j w_j v_j, each head's accumulators over the keys in order */
+            __m512 acc[MAXG][MAXD / VW];
+            for (long i = 0; i < g; i++)
+                for (long c = 0; c < nv; c++)
+                    acc[i][c] = _mm512_setzero_ps();
+            for (long j = 0; j < n; j++) {
+                __m512 vv[MAXD / VW];
+                load_head(vv, v_cache, table, lo + j, block_size, hkv, h, d, nv, bf16);
+                for (long i = 0; i < g; i++) {
+                    const __m512 w = _mm512_set1_ps(scratch[i * (n + VW) + j]);
+                    for (long c = 0; c < nv; c++)
+                        acc[i][c] = _mm512_fmadd_ps(w, vv[c], acc[i][c]);
+                }
+            }
+            for (long i = 0; i < g; i++) {
+                const __m512 inv = _mm512_set1_ps(scratch[i * (n + VW) + n]);
+                char *op = (char *)out + ((t * hq + h * g + i) * d) * es;
+                for (long c = 0; c < nv; c++)
+                    store16(op + c * VW * es, _mm512_mul_ps(acc[i][c], inv), bf16);
+            }
+        }
+    }
+    return 0;
+}
