@@ -1,20 +1,25 @@
-"""specdec's own CPU matmul for float32 weights: `PackedF32Weight` (csrc/skinny_gemm.c).
+"""specdec's own CPU kernels (csrc/), compiled for the machine they run on, called through ctypes.
 
-A verify of k + 1 tokens is a matmul of a few rows against every weight of the target.
-torch's fp32 matmul (MKL) is tuned for big matrices: on the AMD EPYC VMs measured it costs
-2.3x a one-row step for 9 rows (43.5 against 19.4 ms for the default target's decoder
-matrices, one core), where csrc/skinny_gemm.c costs 1.4x (16.5 against 11.7), and it is 2.3x
-faster than MKL for 128-row prefill chunks too (BENCHMARKS.md §6o, scripts/skinny_gemm_probe.py).
+- `PackedF32Weight` (csrc/skinny_gemm.c, AVX2 or AVX-512): float32 matmuls. A verify of k + 1
+  tokens is a matmul of a few rows against every weight of the target; torch's fp32 matmul (MKL)
+  is tuned for big matrices: on the AMD EPYC VM measured, the default target's decoder matrices
+  cost 44.1 ms for 9 rows and 17.5 for one, where this kernel costs 20.8 and 11.9.
+- `PackedInt4Weight`, `PackedInt8Weight` (csrc/int4_gemm.c, AVX-512 VNNI): the int4 precision's
+  4-bit layers and int8 output head against int8 activations: 7.6 ms against torch's int4 12.8
+  for 9 rows, and the head 0.77 ms against 1.63 for one row.
+- `paged_attention` (csrc/paged_attention.c, AVX-512): each row's attention over its own
+  sequence's keys in the paged pool, for the int4 draft's small steps (paged_llama).
+(Numbers: BENCHMARKS.md §6o, scripts/cpu_kernels_probe.py.)
 
-Exactness: each output is one chain of fused multiply-adds over the inputs in order, so a row's
-result does not depend on how many rows share the matmul: a verify's logits equal one-token
-decodes' bit for bit in every linear layer (tests/test_cpu_gemm.py).
+Exactness: in skinny_gemm.c each output is one chain of fused multiply-adds over the inputs in
+order, so a row's result does not depend on how many rows share the matmul: a verify's matmuls
+give one-token decodes' bits (tests/test_cpu_gemm.py).
 
-The C file is compiled for the machine it runs on (`cc -O3 -march=native`), once, into
-$SPECDEC_CACHE_DIR/kernels/ (about a second), the first time a float32 model is loaded with
-`cpu_kernels = "specdec"`. Where it cannot be built (no C compiler, a CPU without AVX2 and FMA,
-not x86) the model uses torch's matmul and the log says why. The kernel is single-threaded:
-each service runs its model on its own core (`num_threads = 1`, the default).
+Each C file is compiled (`cc -O3 -march=native`, about a second) once per CPU into
+$SPECDEC_CACHE_DIR/kernels/, the first time a model that uses it loads with
+`cpu_kernels = "specdec"`. Where it cannot be built (no C compiler, a CPU without the
+instructions, not x86) the model uses torch's kernels and the log says why. The kernels are
+single-threaded: each service runs its model on its own core (`num_threads = 1`, the default).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@
  * called through ctypes. Single-threaded: each service runs its model on its own core.
  *
  * Why: a verify of k + 1 rows is a matmul with few rows. torch's fp32 matmul (MKL) costs
- * 2.3x a one-row step for 9 rows on the AMD EPYC VMs measured, where this kernel costs 1.4x,
- * and it reads the weights faster for one row too (BENCHMARKS.md §6o).
+ * 2.5x a one-row step for 9 rows on the AMD EPYC VM measured (the default target's matrices:
+ * 44.1 against 17.5 ms), where this kernel costs 1.75x (20.8 against 11.9), and it reads the
+ * weights faster for one row too (BENCHMARKS.md §6o).
  *
  * Layout: W is packed once into panels of PANEL = 16 columns, panel p holding W[:, 16p:16p+16]
  * row after row: wp[p][k][0..15] (K * 16 floats per panel, contiguous). N % 16 == 0.
