@@ -26,6 +26,13 @@ specdec bench --config scripts/configs/llamacpp-sequential-2cores.toml --runs 3 
 specdec bench --steps --runs 5 --out "$out/steps"
 specdec bench --concurrency 1,2,4,8,16 --max-tokens 128 --runs 2 --requests-per-client 1 --load-prompts 32 \
   --no-progress --out "$out/load"
+# 6o. specdec's CPU kernels against torch's (~5 min), the draft's agreement with the target per head
+#     (~2 min), and single stream with the kernels against the target in MKL (~15 min); §6o's decode rates
+#     against llama.cpp's example are the 6g run above
+python scripts/cpu_kernels_probe.py --reps 9 > docs/bench/cpu-kernels-probe.txt
+python scripts/int8_head_probe.py > docs/bench/draft-agreement-cpu-kernels.json
+python scripts/single_stream_probe.py "$out/single-stream" --reps 3 --tokens 256 --configs k8,k8-mkl,k4,adaptive \
+  > docs/bench/single-stream-cpu-kernels.json
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt
@@ -48,6 +55,7 @@ cp "$out/tune/tune.md" docs/bench/tune.md
 cp "$out/compare-llamacpp/compare.md" docs/bench/compare-llamacpp.md
 cp "$out/steps/steps.md" docs/bench/steps.md
 cp "$out/decode/compare.md" docs/bench/decode-vs-llamacpp-torch-target.md
+cp "$out/decode/compare.md" docs/bench/decode-vs-llamacpp-cpu-kernels.md
 cp "$out/decode-llamacpp/compare.md" docs/bench/decode-vs-llamacpp-llamacpp-target.md
 cp "$out/decode-sequential-2cores/compare.md" docs/bench/decode-vs-llamacpp-sequential-2cores.md
 cp "$out/load/load.md" docs/bench/load.md

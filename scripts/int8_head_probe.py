@@ -6,7 +6,9 @@
    through a transposed view, int8 codes [V, hidden] with a scale per row), median ms per row count.
 2. Top-1 agreement with the fp32 target: the default draft (paged runner, dtype int4) with each
    head, over every position of 8 seed-0 ShareGPT/HumanEval prompts (up to 400 tokens each),
-   against the fp32 target's argmax at the same positions. Prints one JSON object.
+   against the fp32 target's argmax at the same positions; the int8 head also in torch's kernels
+   (cpu_kernels = torch: bf16 activations), against specdec's (the default: int8 activations).
+   Prints one JSON object.
 """
 import argparse
 import json
@@ -37,7 +39,9 @@ for rows in (1, 2, 4, 6, 8, 16):
 
 target = load(VARIANTS["torch-fp32"], models.DEFAULT_TARGET_MODEL, 2)
 drafts = {"int8": load(VARIANTS["torch-int4"], models.DEFAULT_DRAFT_MODEL, 2),
-          "bf16": load(VARIANTS["torch-int4-bf16-head"], models.DEFAULT_DRAFT_MODEL, 2)}
+          "bf16": load(VARIANTS["torch-int4-bf16-head"], models.DEFAULT_DRAFT_MODEL, 2),
+          # the int8 head in torch's kernels (bf16 activations) rather than specdec's (int8 activations)
+          "int8, cpu_kernels=torch": load(VARIANTS["torch-int4-torch"], models.DEFAULT_DRAFT_MODEL, 2)}
 
 
 def argmax_per_position(runner, ids: list[int]) -> torch.Tensor:

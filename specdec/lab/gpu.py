@@ -181,7 +181,7 @@ def step_read_bytes(runner) -> int:
     only its tokens' rows of it)."""
     w = runner.weights
     total = runner.facts.weight_bytes
-    if w.embed.untyped_storage().data_ptr() != w.lm_head.untyped_storage().data_ptr():
+    if not w.embed_is_head():
         total -= w.embed.untyped_storage().nbytes()
     return total
 

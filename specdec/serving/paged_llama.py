@@ -144,6 +144,13 @@ class Weights:
     sin: torch.Tensor  # [max_context, D]
     small_head: Int8Weight | PackedInt8Weight | None = None  # [hidden, V] in int8, for steps of few logit rows
 
+    def embed_is_head(self) -> bool:
+        """Whether the embedding is the output head's storage (tied: one copy)."""
+        if self.embed is self.lm_head:  # packed: the head itself
+            return True
+        head = self.lm_head if isinstance(self.lm_head, torch.Tensor) else None
+        return head is not None and self.embed.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+
     def nbytes(self) -> int:
         """Bytes of the model weights (each storage once; RoPE tables not counted)."""
         parts = [self.embed, self.final_norm, self.lm_head, self.small_head]
@@ -269,7 +276,7 @@ def pack_f32(w: Weights) -> Weights:
     """float32 CPU weights with every matmul weight packed for specdec's kernel (cpu_gemm); a
     tied embedding becomes the packed head itself (read through its columns)."""
     packed = PackedF32Weight.pack
-    tied = isinstance(w.embed, torch.Tensor) and w.embed.data_ptr() == w.lm_head.data_ptr()
+    tied = w.embed_is_head()
     layers = [dataclasses.replace(lw, qkv=packed(lw.qkv), o=packed(lw.o), gate_up=packed(lw.gate_up),
                                   down=packed(lw.down)) for lw in w.layers]
     head = packed(w.lm_head)
@@ -330,7 +337,7 @@ def quantize_int4(w: Weights, make: MakeInt4 | None = None, head_dtype: str = "b
     # bytes (1.8 ms against 4.3 for a row), the draft's top-1 agreement with the fp32 target
     # 98.0% -> 97.2% (BENCHMARKS.md §6f); bf16 stays faster from about 8 rows.
     head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
-    tied = w.embed.data_ptr() == w.lm_head.data_ptr()
+    tied = w.embed_is_head()
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]
     small_head = (PackedInt8Weight if packed else Int8Weight).quantize(w.lm_head) if head_dtype == "int8" else None
     return Weights(embed=embed, layers=layers, final_norm=bf16(w.final_norm), lm_head=head.t(),
