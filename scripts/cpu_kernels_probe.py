@@ -12,8 +12,9 @@ the variants interleaved:
     against cpu_gemm.PackedInt4Weight;
   - the output head for a draft: bf16, torch's int8 (Int8Weight), cpu_gemm.PackedInt8Weight.
 Then the default draft itself (the int4 runner on the shipped model, 300 tokens of context):
-one step of 1, 4 and 9 tokens with attention in specdec's kernel (paged_attention.c) against
-SDPA. It also checks what the kernels promise: PackedF32Weight gives a row the same bits alone and
+one step of 1 to 24 tokens with every layer in one C call (fused_int4.c, with paged_attention.c)
+against torch ops with SDPA. It also
+checks what the kernels promise: PackedF32Weight gives a row the same bits alone and
 in every batch, and agrees with float64 to rounding.
 """
 import argparse
@@ -31,7 +32,7 @@ from specdec.serving.int4 import Int4Weight, Int8Weight  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=9)
 ap.add_argument("--rows", default="1,9,36,72,128")
-ap.add_argument("--step-rows", default="1,4,9")
+ap.add_argument("--step-rows", default="1,4,9,12,16,24")
 a = ap.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -113,26 +114,25 @@ for rows in (int(r) for r in a.rows.split(",")):
 
 
 def draft_steps() -> dict:
-    """The default draft's step (ms) with attention in the kernel and in SDPA, interleaved."""
-    import dataclasses
-
+    """The default draft's step (ms): fused layers against torch ops with SDPA, interleaved."""
     from specdec import models
     from specdec.serving.batch import SeqChunk
-    from specdec.serving.paged_llama import PagedLlamaRunner
+    from specdec.serving.paged_llama import FUSED_ROWS, PagedLlamaRunner
 
     r = PagedLlamaRunner.load(models.DEFAULT_DRAFT_MODEL, dtype="int4", int4_head="int8", pool_tokens=1024, max_seqs=2)
-    kernel_rows = r.arch.cpu_attention_rows
     seq = r.blocks.reserve(600)
     prompt = [(100 + 13 * i) % 20000 + 50 for i in range(300)]
     for i in range(0, 300, 128):
         r.forward([SeqChunk(seq, prompt[i:i + 128], i, 1)])
     res = {}
+    fused = r.fused
+    fused.max_rows = 10_000  # every step size through the fused layers here, to see where they stop paying
     for rows in (int(x) for x in a.step_rows.split(",")):
-        arms = {"kernel attention": 10_000, "SDPA": 0}
+        arms = {"fused layers": fused, "torch ops, SDPA": None}
         times = {name: [] for name in arms}
         for rep in range(a.reps * 3 + 2):
-            for name, limit in arms.items():
-                r.arch = dataclasses.replace(r.arch, cpu_attention_rows=limit)
+            for name, fz in arms.items():
+                r.fused = fz
                 t0 = time.perf_counter()
                 r.forward([SeqChunk(seq, list(range(500, 500 + rows)), 300, rows)])
                 if rep >= 2:
@@ -141,8 +141,7 @@ def draft_steps() -> dict:
         res[rows] = {name: [round(statistics.median(t), 2), round(min(t), 2), round(max(t), 2)]
                      for name, t in times.items()}
         print("draft step", rows, json.dumps(res[rows]), file=sys.stderr)
-    r.arch = dataclasses.replace(r.arch, cpu_attention_rows=kernel_rows)
-    return {"default_kernel_attention_rows": kernel_rows, "ms": res}
+    return {"fused_rows": FUSED_ROWS, "ms": res}
 
 
 out["draft_step_ms_at_300_context"] = draft_steps()
@@ -152,6 +151,6 @@ print("\n| rows | " + " | ".join(names) + " |")
 print("|---:|" + "---:|" * len(names))
 for rows, row in out["ms"].items():
     print(f"| {rows} | " + " | ".join(f"{m} [{lo}, {hi}]" for m, lo, hi in row.values()) + " |")
-print("\n| draft step tokens | kernel attention ms | SDPA ms |\n|---:|---:|---:|")
+print("\n| draft step tokens | fused layers ms | torch ops, SDPA ms |\n|---:|---:|---:|")
 for rows, row in out["draft_step_ms_at_300_context"]["ms"].items():
     print(f"| {rows} | " + " | ".join(f"{m} [{lo}, {hi}]" for m, lo, hi in row.values()) + " |")

@@ -149,11 +149,11 @@ def test_the_runner_falls_back_to_torch_matmul_without_the_kernel(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setattr(cpu_gemm, "skinny", lambda: None)
     monkeypatch.setattr(cpu_gemm, "lowbit", lambda: None)
-    monkeypatch.setattr(cpu_gemm, "attention_kernel", lambda: None)
+    monkeypatch.setattr(cpu_gemm, "fused_kernel", lambda: None)
     r = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4)
     assert isinstance(r.weights.lm_head, torch.Tensor) and isinstance(r.weights.layers[0].qkv, torch.Tensor)
     r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True)
-    assert r.arch.cpu_attention_rows == 0 and r4.arch.cpu_attention_rows == 0
+    assert r4.fused is None
     assert not isinstance(r4.weights.layers[0].qkv, PackedInt4Weight)
     rt = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_kernels="torch")
     toks = [3, 9, 27, 81, 15]
@@ -164,11 +164,7 @@ def test_the_runner_falls_back_to_torch_matmul_without_the_kernel(monkeypatch):
         PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, cpu_kernels="mkl")
 
 
-needs_avx512 = pytest.mark.skipif(not (BUILDABLE and " avx512f" in _cpu_flags()),
-                                  reason="paged_attention.c needs AVX-512 and a C compiler")
-
-
-@needs_avx512
+@needs_vnni
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_is_softmax_attention_row_by_row(dtype, window):
@@ -211,7 +207,7 @@ def test_the_float32_runner_packs_by_default():
     assert isinstance(r.weights.lm_head, PackedF32Weight) and r.weights.embed is r.weights.lm_head
     assert all(isinstance(getattr(lw, m), PackedF32Weight) for lw in r.weights.layers
                for m in ("qkv", "o", "gate_up", "down"))
-    assert r.arch.cpu_attention_rows == 0
+    assert r.fused is None
     rt = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4, cpu_kernels="torch")
     assert r.facts.weight_bytes == rt.facts.weight_bytes
     toks = [5, 17, 33, 2, 99, 64, 8, 120, 1]
@@ -224,25 +220,35 @@ def test_the_float32_runner_packs_by_default():
 
 
 @needs_vnni
-@needs_avx512
-def test_the_int4_runner_attends_in_the_kernel_for_small_steps():
-    """An int4 runner's steps of at most KERNEL_ATTENTION_ROWS tokens attend in the kernel, larger
-    ones with SDPA; both give the same logits to bf16 rounding."""
-    import dataclasses
+def test_the_int4_runner_runs_small_steps_in_the_fused_kernel():
+    """An int4 runner's steps of at most FUSED_ROWS tokens run every layer in one C call
+    (fused_int4.c), larger ones in torch ops: the same logits to bf16 rounding, the same argmax;
+    in the fused kernel a row's logits do not depend on the rows beside it; a model it does not
+    take (biases: qwen2) keeps the torch path."""
+    import random
 
     from specdec.serving.batch import SeqChunk
-    from specdec.serving.paged_llama import KERNEL_ATTENTION_ROWS, PagedLlamaRunner
-    from tests.test_paged_llama import tiny_model
+    from specdec.serving.paged_llama import FUSED_ROWS, PagedLlamaRunner
+    from tests.test_paged_llama import rand_tokens, tiny_model
 
-    r = PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_blocks=16, block_size=4, int4=True)
-    assert r.arch.cpu_attention_rows == KERNEL_ATTENTION_ROWS
-    toks = [5, 17, 33, 2, 99, 64, 8, 120, 1, 44]
-    seq = r.blocks.reserve(14)
-    r.forward([SeqChunk(seq, toks[:7], 0, 0)])
-    got = {}
-    for rows in (KERNEL_ATTENTION_ROWS, 0):
-        r.arch = dataclasses.replace(r.arch, cpu_attention_rows=rows)
-        (got[rows],) = r.forward([SeqChunk(seq, toks[7:], 7, 3)])  # 3 tokens: the kernel, then SDPA
-        r.truncate(seq, 7)
-    assert not torch.equal(got[0], got[KERNEL_ATTENTION_ROWS])  # two different computations ...
-    torch.testing.assert_close(got[0].float(), got[KERNEL_ATTENTION_ROWS].float(), rtol=0.02, atol=0.02)  # ... of one thing
+    r = PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_blocks=32, block_size=4, int4=True)
+    assert r.fused is not None and r.fused.max_rows == FUSED_ROWS
+    rng = random.Random(11)
+    a, b = rand_tokens(rng, 12), rand_tokens(rng, 9)
+    sa, sb = r.blocks.reserve(16), r.blocks.reserve(16)
+    r.forward([SeqChunk(sa, a[:9], 0, 0), SeqChunk(sb, b[:6], 0, 0)])  # 15 tokens: torch ops
+    fused = r.fused
+    (alone,) = r.forward([SeqChunk(sa, a[9:], 9, 3)])  # 3 tokens: fused
+    r.truncate(sa, 9)
+    r.fused = None
+    (torch_ops,) = r.forward([SeqChunk(sa, a[9:], 9, 3)])  # the same step in torch ops
+    r.truncate(sa, 9)
+    r.fused = fused
+    assert not torch.equal(alone, torch_ops)  # two computations (float32 against bf16 activations) ...
+    torch.testing.assert_close(alone.float(), torch_ops.float(), rtol=0.03, atol=0.03)  # ... of one thing
+    assert torch.equal(alone.argmax(-1), torch_ops.argmax(-1))
+    beside, _ = r.forward([SeqChunk(sa, a[9:], 9, 3), SeqChunk(sb, b[6:7], 6, 1)])  # 4 tokens: fused
+    assert torch.equal(beside, alone)
+
+    rq = PagedLlamaRunner.from_hf_model(tiny_model("qwen2"), num_blocks=8, block_size=4, int4=True)
+    assert rq.fused is None

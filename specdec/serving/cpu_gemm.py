@@ -7,8 +7,9 @@
 - `PackedInt4Weight`, `PackedInt8Weight` (csrc/int4_gemm.c, AVX-512 VNNI): the int4 precision's
   4-bit layers and int8 output head against int8 activations: 7.6 ms against torch's int4 12.8
   for 9 rows, and the head 0.77 ms against 1.63 for one row.
-- `paged_attention` (csrc/paged_attention.c, AVX-512): each row's attention over its own
-  sequence's keys in the paged pool, for the int4 draft's small steps (paged_llama).
+- `FusedInt4Layers` (csrc/fused_int4.c, AVX-512 VNNI): the int4 draft's decoder layers in one
+  call for small steps, with `paged_attention` (csrc/paged_attention.c): each row's attention
+  over its own sequence's keys in the paged pool, no gather, no mask.
 (Numbers: BENCHMARKS.md §6o, scripts/cpu_kernels_probe.py.)
 
 Exactness: in skinny_gemm.c each output is one chain of fused multiply-adds over the inputs in
@@ -80,7 +81,9 @@ def _build(name: str, needs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         log.warning("cpu_kernels: no C compiler (cc) to build specdec's %s kernel; using torch's", name)
         return None
     source = CSRC / f"{name}.c"
-    key = hashlib.sha256(source.read_bytes() + " ".join((cc, *CFLAGS)).encode() + _cpu_signature().encode())
+    # every file in csrc/: a kernel may #include another
+    sources = b"".join(f.read_bytes() for f in sorted(source.parent.glob("*.c")))
+    key = hashlib.sha256(sources + " ".join((cc, *CFLAGS)).encode() + _cpu_signature().encode())
     path = models.cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,24 +128,6 @@ def lowbit() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def attention_kernel() -> ctypes.CDLL | None:
-    """csrc/paged_attention.c (causal attention over the paged KV pool, float32 or bfloat16; AVX-512)."""
-    lib = _build("paged_attention", ("avx512f",))
-    if lib is not None:
-        lib.paged_attention.restype = ctypes.c_int
-        lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                                        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
-        lib.paged_attention_scratch_floats.restype = ctypes.c_long
-        lib.paged_attention_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
-    return lib
-
-
-ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     block_size: int, seq: torch.Tensor, pos: torch.Tensor, window: int | None, scale: float,
                     scratch: torch.Tensor) -> torch.Tensor:
@@ -151,16 +136,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q [T, Hq, D] (rows may be strided, heads and D contiguous), k_cache / v_cache [S, Hkv, D]
     holding the step's keys, block_tables [B, MB] int64, seq / pos [T] int64 (each row's
     sequence and position), scratch from attention_scratch -> [T, Hq*D] in q's dtype."""
-    lib = attention_kernel()
+    lib = fused_kernel()  # fused_int4.c includes paged_attention.c
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
     out = torch.empty(t, hq * d, dtype=q.dtype)  # [T, Hq*D]
-    rc = lib.paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                             int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
+    bf16 = int(q.dtype == torch.bfloat16)
+    rc = lib.paged_attention(q.data_ptr(), q.stride(0), bf16, k_cache.data_ptr(), v_cache.data_ptr(),
+                             int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
                              block_size, seq.data_ptr(), pos.data_ptr(), t, hq, hkv, d, window or 0, scale,
-                             out.data_ptr(), scratch.data_ptr())
+                             out.data_ptr(), bf16, scratch.data_ptr())
     if rc:
         raise ValueError(f"paged_attention does not take Hq={hq}, Hkv={hkv}, D={d}")
     return out
@@ -168,12 +154,106 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def attention_scratch(max_keys: int, group: int) -> torch.Tensor:
     """The float32 scratch paged_attention needs for rows of at most max_keys keys."""
-    return torch.empty(attention_kernel().paged_attention_scratch_floats(max_keys, group), dtype=torch.float32)
+    return torch.empty(fused_kernel().paged_attention_scratch_floats(max_keys, group), dtype=torch.float32)
 
 
-def attention_takes(head_dim: int, group: int, dtype: torch.dtype) -> bool:
-    """Whether paged_attention runs this model: D a multiple of 16 up to 256, G <= 16, fp32 or bf16."""
-    return head_dim % 16 == 0 and head_dim <= 256 and group <= 16 and dtype in ATTENTION_DTYPES
+def attention_takes(head_dim: int, group: int) -> bool:
+    """Whether paged_attention takes these heads: D a multiple of 16 up to 256, G <= 16."""
+    return head_dim % 16 == 0 and head_dim <= 256 and group <= 16
+
+
+class _FusedLayer(ctypes.Structure):  # fused_int4.c's fused_layer
+    _fields_ = [("qkv_codes", ctypes.c_void_p), ("qkv_scales", ctypes.c_void_p), ("o_codes", ctypes.c_void_p),
+                ("o_scales", ctypes.c_void_p), ("gate_up_codes", ctypes.c_void_p), ("gate_up_scales", ctypes.c_void_p),
+                ("down_codes", ctypes.c_void_p), ("down_scales", ctypes.c_void_p), ("input_norm", ctypes.c_void_p),
+                ("post_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("window", ctypes.c_long)]
+
+
+class _FusedModel(ctypes.Structure):  # fused_int4.c's fused_model
+    _fields_ = [("num_layers", ctypes.c_long), ("hidden", ctypes.c_long), ("num_heads", ctypes.c_long),
+                ("num_kv_heads", ctypes.c_long), ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("block_size", ctypes.c_long), ("cache_bf16", ctypes.c_int)]
+
+
+@functools.cache
+def fused_kernel() -> ctypes.CDLL | None:
+    """csrc/fused_int4.c (the int4 precision's decoder layers in one call, and paged_attention.c
+    within it; AVX-512 VNNI)."""
+    lib = _build("fused_int4", ("avx512f", "avx512bw", "avx512_vnni"))
+    if lib is not None:
+        lib.fused_scratch_bytes.restype = ctypes.c_long
+        lib.fused_scratch_bytes.argtypes = [ctypes.POINTER(_FusedModel), ctypes.c_long, ctypes.c_long]
+        lib.paged_attention.restype = ctypes.c_int
+        lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                        ctypes.c_long, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.paged_attention_scratch_floats.restype = ctypes.c_long
+        lib.paged_attention_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
+        lib.fused_layers.restype = ctypes.c_int
+        lib.fused_layers.argtypes = [ctypes.POINTER(_FusedModel), ctypes.POINTER(_FusedLayer), ctypes.c_void_p,
+                                     ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_long, ctypes.c_void_p]
+    return lib
+
+
+@dataclass
+class FusedLayerWeights:
+    """One decoder layer as fused_int4.c takes it: a Llama layer without biases or q/k norms."""
+
+    qkv: "PackedInt4Weight"
+    o: "PackedInt4Weight"
+    gate_up: "PackedInt4Weight"
+    down: "PackedInt4Weight"
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    k_cache: torch.Tensor  # [S, Hkv, D] bfloat16 or float32
+    v_cache: torch.Tensor  # [S, Hkv, D]
+    window: int | None
+
+
+class FusedInt4Layers:
+    """Every decoder layer of an int4 model in one C call (csrc/fused_int4.c), for small steps:
+    the same weights and pool as the torch path, float32 activations between the matmuls."""
+
+    def __init__(self, layers: list[FusedLayerWeights], cos: torch.Tensor, sin: torch.Tensor, *, hidden: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
+                 block_size: int, max_rows: int):
+        self.lib = fused_kernel()
+        self.max_rows = max_rows  # the caller's choice: steps of at most this many tokens come here
+        f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+        self.keep = [f32(cos), f32(sin)]  # [max_context, D] each; the structs point into these tensors
+        structs = []
+        for lw in layers:
+            norms = [f32(lw.input_norm), f32(lw.post_norm)]
+            self.keep += norms
+            structs.append(_FusedLayer(lw.qkv.codes.data_ptr(), lw.qkv.scales.data_ptr(), lw.o.codes.data_ptr(),
+                                       lw.o.scales.data_ptr(), lw.gate_up.codes.data_ptr(),
+                                       lw.gate_up.scales.data_ptr(), lw.down.codes.data_ptr(),
+                                       lw.down.scales.data_ptr(), norms[0].data_ptr(), norms[1].data_ptr(),
+                                       lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0))
+        self.layer_refs = layers
+        self.layers = (_FusedLayer * len(structs))(*structs)
+        self.model = _FusedModel(len(structs), hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
+                                 self.keep[0].data_ptr(), self.keep[1].data_ptr(), block_size,
+                                 int(layers[0].k_cache.dtype == torch.bfloat16))
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor,
+            block_tables: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] float32 (the embedded tokens) -> [T, hidden] after every layer (in place);
+        positions, slots, seq [T] int64 (each token's position, pool slot, sequence), block_tables
+        [B, MB] int64. Writes the tokens' K/V into the pool."""
+        t = x.shape[0]
+        tables = block_tables.contiguous()
+        max_keys = int(positions.max()) + 1
+        scratch = torch.empty(self.lib.fused_scratch_bytes(self.model, t, max_keys), dtype=torch.uint8)
+        rc = self.lib.fused_layers(self.model, self.layers, x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
+                                   seq.data_ptr(), tables.data_ptr(), tables.shape[1], scratch.data_ptr())
+        if rc:
+            raise ValueError("fused_int4 does not take this model's shapes")
+        return x
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,17 @@ Precision `int4` (CPU): the decoder layers' matmul weights (QKV, O, gate/up, dow
 4-bit `Int4Weight`s (specdec.serving.int4); the output head bf16, and with `int4_head = "int8"`
 (the draft's default) also an 8-bit copy (`Int8Weight`) for steps of at most SMALL_HEAD_ROWS
 logit rows, where reading half the bytes wins; everything else (embedding, norms, RoPE tables,
-activations, the KV pool) bf16. It is for drafts: a token costs a third of fp32.
+activations, the KV pool) bf16. It is for drafts: a token costs a third of fp32. With
+`cpu_kernels = "specdec"` (the default) on AVX-512 VNNI the 4-bit matrices and the int8 head are
+specdec's (`PackedInt4Weight`, `PackedInt8Weight`: int8 activations; the int8 head then serves
+every step), and steps of at most FUSED_ROWS tokens run every decoder layer in one C call
+(`fuse_int4`: float32 activations, attention straight from the pool) for a Llama layer without
+biases or q/k norms.
 
 Precision float32 on the CPU with `cpu_kernels = "specdec"` (the default): every matmul weight
 (QKV, O, gate/up, down, the output head) is a `PackedF32Weight` run by specdec's own kernel
-(specdec.serving.cpu_gemm): the same values, a verify of k + 1 rows at 1.4x a one-row step
-instead of 2.3x, and each row's result independent of the rows beside it. A tied embedding is
+(specdec.serving.cpu_gemm): the same values, a verify of k + 1 rows at 1.75x a one-row step
+instead of 2.5x, and each row's result independent of the rows beside it. A tied embedding is
 read from the packed head's columns (no second copy).
 """
 from __future__ import annotations
@@ -59,7 +64,8 @@ from specdec.devices import kv_pool_tokens_for_memory
 from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving import cpu_gemm
 from specdec.serving.blocks import BlockManager
-from specdec.serving.cpu_gemm import CPU_KERNELS, PANEL, PackedF32Weight, PackedInt4Weight, PackedInt8Weight
+from specdec.serving.cpu_gemm import (CPU_KERNELS, PANEL, FusedInt4Layers, PackedF32Weight, PackedInt4Weight,
+                                     PackedInt8Weight)
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight, Int8Weight
 
@@ -76,11 +82,12 @@ INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
 # (scripts/int8_head_probe.py). specdec's int8 kernel (PackedInt8Weight) serves every step: against
 # bf16, 0.55/3.21 ms at 1 row, 1.67/3.98 at 9, 3.29/6.30 at 32, 7.50/13.09 at 96 (BENCHMARKS.md §6o)
 SMALL_HEAD_ROWS = 4
-# the int4 precision (drafts) attends in specdec's CPU kernel for steps of at most this many tokens:
-# the default draft's step of 1 token at 300 tokens of context costs 7.76 ms against 8.47 with SDPA,
-# 4 tokens 10.66 against 10.73; the kernel does each row alone, so 9 cost 16.99 against 16.21 and
-# prefill chunks more (scripts/cpu_kernels_probe.py, BENCHMARKS.md §6o). A float32 target keeps SDPA
-KERNEL_ATTENTION_ROWS = 4
+# the int4 precision (drafts) runs steps of at most this many tokens through the fused layers
+# (fuse_int4). The default draft's step at 300 tokens of context, fused against torch ops with
+# SDPA, ms: 1 token 5.43/8.09, 4 tokens 9.78/11.90, 9 tokens 15.20/16.13, 12 tokens 18.63/19.35,
+# 16 tokens 22.60/22.19, 24 tokens 30.26/28.67: the fused attention does each row alone, so
+# longer steps (prefill chunks) keep torch ops (scripts/cpu_kernels_probe.py, BENCHMARKS.md §6o)
+FUSED_ROWS = 12
 PRECISIONS = (*_DTYPES, INT4)
 # a weight used as x @ w: [in, out]
 Matrix = torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | PackedInt4Weight | PackedInt8Weight
@@ -105,9 +112,6 @@ class Arch:
     eps: float  # RMSNorm epsilon
     max_context: int  # positions 0..max_context-1 are valid
     windows: tuple[int | None, ...]  # per layer: sliding window, or None for full attention
-    # steps of at most this many tokens attend in specdec's CPU kernel (cpu_gemm.paged_attention: each
-    # row over its own keys, no gather, no masks) instead of gather + SDPA; 0 = never. Set by the runner
-    cpu_attention_rows: int = 0
 
     @property
     def group(self) -> int:  # G: query heads per KV head
@@ -482,13 +486,9 @@ def sdpa_attend(inputs: StepInputs, arch: Arch, block_size: int, num_keys: int, 
                                                          block_size)
 
 
-def kernel_attend(inputs: StepInputs, arch: Arch, block_size: int, num_keys: int) -> Attend:
-    """Attention for a step in specdec's CPU kernel: each row attends to its own sequence's keys."""
-    seq = torch.div(inputs.unpad_index, inputs.query_index.shape[1], rounding_mode="floor")  # [T] sequence of each row
-    tables = inputs.block_tables.contiguous()  # [B, MB]
-    scratch = cpu_gemm.attention_scratch(num_keys, arch.group)
-    return lambda q, k_cache, v_cache, window: cpu_gemm.paged_attention(
-        q, k_cache, v_cache, tables, block_size, seq, inputs.positions, window, arch.scale, scratch)
+def row_sequences(inputs: StepInputs) -> torch.Tensor:
+    """[T] the sequence (0..B-1) of each flat row."""
+    return torch.div(inputs.unpad_index, inputs.query_index.shape[1], rounding_mode="floor")
 
 
 def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -513,25 +513,54 @@ def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor, v_ca
     return x + linear(F.silu(gate) * up, lw.down, lw.down_bias)  # [T, hidden]
 
 
-def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, stop: StopCheck | None = None
-             ) -> torch.Tensor:
+def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, stop: StopCheck | None = None,
+             fused: FusedInt4Layers | None = None) -> torch.Tensor:
     """One step over StepInputs -> logits [R, V] in the model dtype, on the model's device.
-    `stop()` is asked before each layer: True raises StepAborted (the caller rolls back)."""
+    `stop()` is asked before each layer: True raises StepAborted (the caller rolls back).
+    fused: the int4 layers in one C call (fuse_int4), used for steps of at most
+    fused.max_rows tokens (FUSED_ROWS; `stop()` is then asked once, before it)."""
     x = embed_tokens(weights.embed, inputs.token_ids)  # [T, hidden]
-    cos = weights.cos.index_select(0, inputs.positions)  # [T, D]
-    sin = weights.sin.index_select(0, inputs.positions)  # [T, D]
-    num_keys = inputs.block_tables.shape[1] * pool.block_size  # C
-    attend = (kernel_attend(inputs, arch, pool.block_size, num_keys) if x.shape[0] <= arch.cpu_attention_rows
-              else sdpa_attend(inputs, arch, pool.block_size, num_keys, x.dtype))
-    for layer, lw in enumerate(weights.layers):
+    if fused is not None and x.shape[0] <= fused.max_rows:
         if stop is not None and stop():
-            raise StepAborted(f"stopped before layer {layer}")
-        x = decoder_layer(x, lw, pool.k[layer], pool.v[layer], cos, sin, inputs.slots, attend, arch)  # [T, hidden]
-    h = x.index_select(0, inputs.logit_rows)  # [R, hidden]
+            raise StepAborted("stopped before layer 0")
+        x = fused.run(x.float(), inputs.positions, inputs.slots, row_sequences(inputs),
+                      inputs.block_tables)  # [T, hidden] float32
+    else:
+        x = decoder_layers(x, weights, pool, inputs, arch, stop)  # [T, hidden]
+    h = x.index_select(0, inputs.logit_rows).to(weights.final_norm.dtype)  # [R, hidden]
     h = rms_norm(h, weights.final_norm, arch.eps)  # [R, hidden]
     small = weights.small_head is not None and (isinstance(weights.small_head, PackedInt8Weight)
                                                 or h.shape[0] <= SMALL_HEAD_ROWS)
     return linear(h, weights.small_head if small else weights.lm_head)  # [R, V]
+
+
+def decoder_layers(x: torch.Tensor, weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch,
+                   stop: StopCheck | None) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden] through every decoder layer (torch ops)."""
+    cos = weights.cos.index_select(0, inputs.positions)  # [T, D]
+    sin = weights.sin.index_select(0, inputs.positions)  # [T, D]
+    num_keys = inputs.block_tables.shape[1] * pool.block_size  # C
+    attend = sdpa_attend(inputs, arch, pool.block_size, num_keys, x.dtype)
+    for layer, lw in enumerate(weights.layers):
+        if stop is not None and stop():
+            raise StepAborted(f"stopped before layer {layer}")
+        x = decoder_layer(x, lw, pool.k[layer], pool.v[layer], cos, sin, inputs.slots, attend, arch)  # [T, hidden]
+    return x
+
+
+def fuse_int4(weights: Weights, pool: KVPool, arch: Arch) -> FusedInt4Layers | None:
+    """The int4 layers as one C call (cpu_gemm.FusedInt4Layers), where the kernel builds and the
+    layers are what it takes: 4-bit matrices in specdec's layout, no biases, no q/k norms."""
+    plain = all(isinstance(getattr(lw, m), PackedInt4Weight) for lw in weights.layers for m in FUSED) and all(
+        b is None for lw in weights.layers for b in (lw.qkv_bias, lw.o_bias, lw.gate_up_bias, lw.down_bias,
+                                                      lw.qk_norm))
+    if not (plain and cpu_gemm.attention_takes(arch.head_dim, arch.group) and cpu_gemm.fused_kernel() is not None):
+        return None
+    layers = [cpu_gemm.FusedLayerWeights(lw.qkv, lw.o, lw.gate_up, lw.down, lw.input_norm, lw.post_norm,
+                                         pool.k[i], pool.v[i], lw.window) for i, lw in enumerate(weights.layers)]
+    return FusedInt4Layers(layers, weights.cos, weights.sin, hidden=arch.hidden, num_heads=arch.num_heads,
+                           num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim, intermediate=arch.intermediate,
+                           eps=arch.eps, scale=arch.scale, block_size=pool.block_size, max_rows=FUSED_ROWS)
 
 
 # ----------------------------------------------------------------------------------------
@@ -562,6 +591,7 @@ class PagedLlamaRunner:
         self.facts = facts
         self.device = device
         self.graphs: StepGraphs | None = None
+        self.fused: FusedInt4Layers | None = None  # the int4 layers in one C call, for small steps (fuse_int4)
         # the pool's last block, which the block manager never hands out: padded graph rows write here
         self.scratch_slot = blocks.num_blocks * pool.block_size
         self.max_blocks = -(-arch.max_context // pool.block_size)  # the widest block table
@@ -645,15 +675,14 @@ class PagedLlamaRunner:
                 weights, dtype = quantize_int4(weights, head_dtype=int4_head, packed=packed), torch.bfloat16
             elif ours and packable_f32(weights) and cpu_gemm.skinny() is not None:
                 weights = pack_f32(weights)
-            if int4 and ours and cpu_gemm.attention_takes(arch.head_dim, arch.group, dtype) \
-                    and cpu_gemm.attention_kernel() is not None:
-                arch = dataclasses.replace(arch, cpu_attention_rows=KERNEL_ATTENTION_ROWS)
             pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block
         dtype_name = INT4 if int4 else {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
         facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,
                            max_context=max_context, eos_token_ids=list(eos), dtype=dtype_name, device=str(device),
                            weight_bytes=weights.nbytes(), kv_bytes_per_token=pool.bytes_per_token())
-        return cls(weights, arch, pool, blocks, facts, device)
+        runner = cls(weights, arch, pool, blocks, facts, device)
+        runner.fused = fuse_int4(weights, pool, arch) if int4 else None
+        return runner
 
     # -- a step -------------------------------------------------------------------------
     def _validate(self, chunks: Sequence[SeqChunk]) -> None:
@@ -759,7 +788,7 @@ class PagedLlamaRunner:
             return self._forward_graph(chunks, bucket)
         inputs = self.prepare(chunks)
         try:
-            logits = run_step(self.weights, self.pool, inputs, self.arch, stop)  # [R, V]
+            logits = run_step(self.weights, self.pool, inputs, self.arch, stop, self.fused)  # [R, V]
         except BaseException:
             self.rollback(chunks)
             raise

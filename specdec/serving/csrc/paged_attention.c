@@ -85,12 +85,14 @@ long paged_attention_scratch_floats(long max_keys, long group) { return group * 
 
 /* q [T, Hq, D] with row stride q_stride (elements); k_cache, v_cache [S, Hkv, D];
  * block_tables [B, MB] int64; seq [T], pos [T] int64; out [T, Hq * D]; scratch of
- * paged_attention_scratch_floats(max pos + 1, G) floats. bf16: q, caches and out are bfloat16. */
-int paged_attention(const void *q, long q_stride, const void *k_cache, const void *v_cache, int bf16,
+ * paged_attention_scratch_floats(max pos + 1, G) floats. q_bf16, cache_bf16, out_bf16: which
+ * of q, the caches and out are bfloat16 (else float32). Returns 0, or -1 for shapes it does not take. */
+int paged_attention(const void *q, long q_stride, int q_bf16, const void *k_cache, const void *v_cache, int cache_bf16,
                     const int64_t *block_tables, long mb, long block_size, const int64_t *seq, const int64_t *pos,
-                    long T, long hq, long hkv, long d, long window, float scale, void *out, float *scratch)
+                    long T, long hq, long hkv, long d, long window, float scale, void *out, int out_bf16,
+                    float *scratch)
 {
-    const long g = hq / hkv, nv = d / VW, es = bf16 ? 2 : 4;
+    const long g = hq / hkv, nv = d / VW, qs = q_bf16 ? 2 : 4, os = out_bf16 ? 2 : 4;
     if (d % VW || d > MAXD || g > MAXG || hq % hkv)
         return -1;
     for (long t = 0; t < T; t++) {
@@ -100,11 +102,11 @@ int paged_attention(const void *q, long q_stride, const void *k_cache, const voi
             __m512 qv[MAXG][MAXD / VW];
             for (long i = 0; i < g; i++)
                 for (long c = 0; c < nv; c++)
-                    qv[i][c] = load16((const char *)q + ((t * q_stride) + (h * g + i) * d + c * VW) * es, bf16);
+                    qv[i][c] = load16((const char *)q + ((t * q_stride) + (h * g + i) * d + c * VW) * qs, q_bf16);
             /* scores: scratch[i * (n + VW) + j] */
             for (long j = 0; j < n; j++) {
                 __m512 kv[MAXD / VW];
-                load_head(kv, k_cache, table, lo + j, block_size, hkv, h, d, nv, bf16);
+                load_head(kv, k_cache, table, lo + j, block_size, hkv, h, d, nv, cache_bf16);
                 for (long i = 0; i < g; i++) {
                     __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);
                     for (long c = 1; c < nv; c++)
@@ -140,7 +142,7 @@ int paged_attention(const void *q, long q_stride, const void *k_cache, const voi
                     acc[i][c] = _mm512_setzero_ps();
             for (long j = 0; j < n; j++) {
                 __m512 vv[MAXD / VW];
-                load_head(vv, v_cache, table, lo + j, block_size, hkv, h, d, nv, bf16);
+                load_head(vv, v_cache, table, lo + j, block_size, hkv, h, d, nv, cache_bf16);
                 for (long i = 0; i < g; i++) {
                     const __m512 w = _mm512_set1_ps(scratch[i * (n + VW) + j]);
                     for (long c = 0; c < nv; c++)
@@ -149,9 +151,9 @@ int paged_attention(const void *q, long q_stride, const void *k_cache, const voi
             }
             for (long i = 0; i < g; i++) {
                 const __m512 inv = _mm512_set1_ps(scratch[i * (n + VW) + n]);
-                char *op = (char *)out + ((t * hq + h * g + i) * d) * es;
+                char *op = (char *)out + ((t * hq + h * g + i) * d) * os;
                 for (long c = 0; c < nv; c++)
-                    store16(op + c * VW * es, _mm512_mul_ps(acc[i][c], inv), bf16);
+                    store16(op + c * VW * os, _mm512_mul_ps(acc[i][c], inv), out_bf16);
             }
         }
     }
