@@ -84,8 +84,8 @@ INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
 SMALL_HEAD_ROWS = 4
 # the int4 precision (drafts) runs steps of at most this many tokens through the fused layers
 # (fuse_int4). The default draft's step at 300 tokens of context, fused against torch ops with
-# SDPA, ms: 1 token 5.43/8.09, 4 tokens 9.78/11.90, 9 tokens 15.20/16.13, 12 tokens 18.63/19.35,
-# 16 tokens 22.60/22.19, 24 tokens 30.26/28.67: the fused attention does each row alone, so
+# SDPA, ms: 1 token 5.66/8.27, 4 tokens 9.57/12.07, 9 tokens 16.00/17.17, 12 tokens 18.15/18.99,
+# 16 tokens 22.16/21.93, 24 tokens 30.39/29.15: the fused attention does each row alone, so
 # longer steps (prefill chunks) keep torch ops (scripts/cpu_kernels_probe.py, BENCHMARKS.md §6o)
 FUSED_ROWS = 12
 PRECISIONS = (*_DTYPES, INT4)
