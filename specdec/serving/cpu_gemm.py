@@ -3,10 +3,10 @@
 - `PackedF32Weight` (csrc/skinny_gemm.c, AVX2 or AVX-512): float32 matmuls. A verify of k + 1
   tokens is a matmul of a few rows against every weight of the target; torch's fp32 matmul (MKL)
   is tuned for big matrices: on the AMD EPYC VM measured, the default target's decoder matrices
-  cost 44.1 ms for 9 rows and 17.5 for one, where this kernel costs 20.8 and 11.9.
+  cost 46.8 ms for 9 rows and 17.4 for one, where this kernel costs 20.6 and 12.4.
 - `PackedInt4Weight`, `PackedInt8Weight` (csrc/int4_gemm.c, AVX-512 VNNI): the int4 precision's
-  4-bit layers and int8 output head against int8 activations: 7.6 ms against torch's int4 12.8
-  for 9 rows, and the head 0.77 ms against 1.63 for one row.
+  4-bit layers and int8 output head against int8 activations: 7.5 ms against torch's int4 13.8
+  for 9 rows, and the head 0.83 ms against 1.82 for one row.
 - `FusedInt4Layers` (csrc/fused_int4.c, AVX-512 VNNI): the int4 draft's decoder layers in one
   call for small steps, with `paged_attention` (csrc/paged_attention.c): each row's attention
   over its own sequence's keys in the paged pool, no gather, no mask.

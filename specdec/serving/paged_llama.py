@@ -45,8 +45,8 @@ biases or q/k norms.
 
 Precision float32 on the CPU with `cpu_kernels = "specdec"` (the default): every matmul weight
 (QKV, O, gate/up, down, the output head) is a `PackedF32Weight` run by specdec's own kernel
-(specdec.serving.cpu_gemm): the same values, a verify of k + 1 rows at 1.75x a one-row step
-instead of 2.5x, and each row's result independent of the rows beside it. A tied embedding is
+(specdec.serving.cpu_gemm): the same values, a verify of k + 1 rows at 1.7x a one-row step
+instead of 2.7x, and each row's result independent of the rows beside it. A tied embedding is
 read from the packed head's columns (no second copy).
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@
  * called through ctypes. Single-threaded: each service runs its model on its own core.
  *
  * Why: a verify of k + 1 rows is a matmul with few rows. torch's fp32 matmul (MKL) costs
- * 2.5x a one-row step for 9 rows on the AMD EPYC VM measured (the default target's matrices:
- * 44.1 against 17.5 ms), where this kernel costs 1.75x (20.8 against 11.9), and it reads the
+ * 2.7x a one-row step for 9 rows on the AMD EPYC VM measured (the default target's matrices:
+ * 46.8 against 17.4 ms), where this kernel costs 1.7x (20.6 against 12.4), and it reads the
  * weights faster for one row too (BENCHMARKS.md §6o).
  *
  * Layout: W is packed once into panels of PANEL = 16 columns, panel p holding W[:, 16p:16p+16]
