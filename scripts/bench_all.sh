@@ -36,7 +36,8 @@ python scripts/single_stream_probe.py "$out/single-stream" --reps 3 --tokens 256
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt
-#    from each of the 4 workloads, 3 runs per cell (79-109 min on the VMs measured)
+#    from each of the 4 workloads, 3 runs per cell (79-109 min on the VMs measured before specdec's CPU
+#    kernels; 23 min on the AVX-512 VM of 2026-12-05 with them)
 specdec study --studies ksweep,temps,positions --prompts 1 --runs 3 --ks 1,2,4,8,12,16 --draft-temps 0,0.6 \
   --control --no-progress --out "$out/study"
 # 3. every draft this machine can load (k=8, and k=16 for the position curves), 128 tokens, 2 runs (~25 min)
