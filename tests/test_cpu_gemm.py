@@ -17,16 +17,10 @@ from specdec.serving.cpu_gemm import GROUP, PANEL, PackedF32Weight, PackedInt4We
 BUILDABLE = platform.machine().lower() in ("x86_64", "amd64") and cpu_gemm._compiler() is not None
 
 
-def _cpu_flags() -> str:
-    try:
-        return next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-
-
-needs_skinny = pytest.mark.skipif(not (BUILDABLE and " avx2" in _cpu_flags() and " fma" in _cpu_flags()),
+FLAGS = set(cpu_gemm._cpu_signature().split())  # what the kernels are built for
+needs_skinny = pytest.mark.skipif(not (BUILDABLE and {"avx2", "fma"} <= FLAGS),
                                   reason="skinny_gemm.c needs x86-64 with AVX2 and FMA, and a C compiler")
-needs_vnni = pytest.mark.skipif(not (BUILDABLE and " avx512_vnni" in _cpu_flags()),
+needs_vnni = pytest.mark.skipif(not (BUILDABLE and {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS),
                                 reason="int4_gemm.c needs AVX-512 VNNI and a C compiler")
 
 
@@ -148,8 +142,7 @@ def test_the_runner_falls_back_to_torch_matmul_without_the_kernel(monkeypatch):
 
     model = tiny_model("llama")
     monkeypatch.setattr(cpu_gemm, "skinny", lambda: None)
-    monkeypatch.setattr(cpu_gemm, "lowbit", lambda: None)
-    monkeypatch.setattr(cpu_gemm, "fused_kernel", lambda: None)
+    monkeypatch.setattr(cpu_gemm, "lowbit", lambda: None)  # the 4-bit, attention and fused kernels
     r = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4)
     assert isinstance(r.weights.lm_head, torch.Tensor) and isinstance(r.weights.layers[0].qkv, torch.Tensor)
     r4 = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True)

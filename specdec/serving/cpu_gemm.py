@@ -114,20 +114,6 @@ def skinny() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def lowbit() -> ctypes.CDLL | None:
-    """csrc/int4_gemm.c (4- and 8-bit weights, 8-bit activations; AVX-512 VNNI)."""
-    lib = _build("int4_gemm", ("avx512f", "avx512bw", "avx512_vnni"))
-    if lib is not None:
-        lib.lowbit_gemm.restype = None
-        lib.lowbit_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long,
-                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
-                                    ctypes.c_void_p]
-        lib.lowbit_scratch_bytes.restype = ctypes.c_long
-        lib.lowbit_scratch_bytes.argtypes = [ctypes.c_long, ctypes.c_long]
-    return lib
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     block_size: int, seq: torch.Tensor, pos: torch.Tensor, window: int | None, scale: float,
                     scratch: torch.Tensor) -> torch.Tensor:
@@ -136,7 +122,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q [T, Hq, D] (rows may be strided, heads and D contiguous), k_cache / v_cache [S, Hkv, D]
     holding the step's keys, block_tables [B, MB] int64, seq / pos [T] int64 (each row's
     sequence and position), scratch from attention_scratch -> [T, Hq*D] in q's dtype."""
-    lib = fused_kernel()  # fused_int4.c includes paged_attention.c
+    lib = lowbit()
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -154,7 +140,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def attention_scratch(max_keys: int, group: int) -> torch.Tensor:
     """The float32 scratch paged_attention needs for rows of at most max_keys keys."""
-    return torch.empty(fused_kernel().paged_attention_scratch_floats(max_keys, group), dtype=torch.float32)
+    return torch.empty(lowbit().paged_attention_scratch_floats(max_keys, group), dtype=torch.float32)
 
 
 def attention_takes(head_dim: int, group: int) -> bool:
@@ -178,13 +164,18 @@ class _FusedModel(ctypes.Structure):  # fused_int4.c's fused_model
 
 
 @functools.cache
-def fused_kernel() -> ctypes.CDLL | None:
-    """csrc/fused_int4.c (the int4 precision's decoder layers in one call, and paged_attention.c
-    within it; AVX-512 VNNI)."""
+def lowbit() -> ctypes.CDLL | None:
+    """The AVX-512 VNNI kernels, one library: csrc/fused_int4.c (the int4 precision's decoder layers
+    in one call), which includes int4_gemm.c (4- and 8-bit weights against 8-bit activations) and
+    paged_attention.c."""
     lib = _build("fused_int4", ("avx512f", "avx512bw", "avx512_vnni"))
     if lib is not None:
-        lib.fused_scratch_bytes.restype = ctypes.c_long
-        lib.fused_scratch_bytes.argtypes = [ctypes.POINTER(_FusedModel), ctypes.c_long, ctypes.c_long]
+        lib.lowbit_gemm.restype = None
+        lib.lowbit_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
+                                    ctypes.c_void_p]
+        lib.lowbit_scratch_bytes.restype = ctypes.c_long
+        lib.lowbit_scratch_bytes.argtypes = [ctypes.c_long, ctypes.c_long]
         lib.paged_attention.restype = ctypes.c_int
         lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
@@ -192,6 +183,8 @@ def fused_kernel() -> ctypes.CDLL | None:
                                         ctypes.c_long, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.paged_attention_scratch_floats.restype = ctypes.c_long
         lib.paged_attention_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
+        lib.fused_scratch_bytes.restype = ctypes.c_long
+        lib.fused_scratch_bytes.argtypes = [ctypes.POINTER(_FusedModel), ctypes.c_long, ctypes.c_long]
         lib.fused_layers.restype = ctypes.c_int
         lib.fused_layers.argtypes = [ctypes.POINTER(_FusedModel), ctypes.POINTER(_FusedLayer), ctypes.c_void_p,
                                      ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -221,7 +214,7 @@ class FusedInt4Layers:
     def __init__(self, layers: list[FusedLayerWeights], cos: torch.Tensor, sin: torch.Tensor, *, hidden: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
                  block_size: int, max_rows: int):
-        self.lib = fused_kernel()
+        self.lib = lowbit()
         self.max_rows = max_rows  # the caller's choice: steps of at most this many tokens come here
         f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
         self.keep = [f32(cos), f32(sin)]  # [max_context, D] each; the structs point into these tensors

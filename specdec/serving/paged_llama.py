@@ -52,7 +52,6 @@ read from the packed head's columns (no second copy).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -69,8 +68,6 @@ from specdec.serving.cpu_gemm import (CPU_KERNELS, PANEL, FusedInt4Layers, Packe
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight, Int8Weight
 
-log = logging.getLogger(__name__)
-
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE variants whose frequencies depend on the current sequence length: not a position table
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -80,7 +77,8 @@ INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
 # the int8 head serves steps of at most this many logit rows: one core, 49,152 x 576, ms per head
 # matmul int8 / bf16 at 1, 2, 4, 6, 8, 16 rows: 1.8/4.3, 1.6/3.8, 1.9/3.8, 3.6/4.2, 3.8/4.3, 7.5/5.4
 # (scripts/int8_head_probe.py). specdec's int8 kernel (PackedInt8Weight) serves every step: against
-# bf16, 0.55/3.21 ms at 1 row, 1.67/3.98 at 9, 3.29/6.30 at 32, 7.50/13.09 at 96 (BENCHMARKS.md §6o)
+# bf16, 0.83/3.48 ms at 1 row, 2.18/4.27 at 9, 4.26/7.33 at 36, 7.01/11.55 at 72
+# (scripts/cpu_kernels_probe.py, BENCHMARKS.md §6o)
 SMALL_HEAD_ROWS = 4
 # the int4 precision (drafts) runs steps of at most this many tokens through the fused layers
 # (fuse_int4). The default draft's step at 300 tokens of context, fused against torch ops with
@@ -287,17 +285,20 @@ def pack_f32(w: Weights) -> Weights:
     return dataclasses.replace(w, layers=layers, lm_head=head, embed=head if tied else w.embed)
 
 
+def _matrices(w: Weights) -> list[Matrix]:
+    """The output head and every layer's fused matrices."""
+    return [w.lm_head] + [getattr(lw, m) for lw in w.layers for m in FUSED]
+
+
 def packable_f32(w: Weights) -> bool:
     """Whether pack_f32 takes these weights: float32 on the CPU, every matrix a multiple of PANEL wide."""
-    mats = [w.lm_head] + [getattr(lw, m) for lw in w.layers for m in FUSED]
     return all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.device.type == "cpu"
-               and m.shape[1] % PANEL == 0 for m in mats)
+               and m.shape[1] % PANEL == 0 for m in _matrices(w))
 
 
 def packable_int4(w: Weights) -> bool:
     """Whether quantize_int4(packed=True) takes these weights: every matrix GROUP deep and PANEL wide."""
-    mats = [w.lm_head] + [getattr(lw, m) for lw in w.layers for m in FUSED]
-    return all(m.shape[0] % cpu_gemm.GROUP == 0 and m.shape[1] % PANEL == 0 for m in mats)
+    return all(m.shape[0] % cpu_gemm.GROUP == 0 and m.shape[1] % PANEL == 0 for m in _matrices(w))
 
 
 def embed_tokens(embed: torch.Tensor | PackedF32Weight, token_ids: torch.Tensor) -> torch.Tensor:
@@ -554,7 +555,7 @@ def fuse_int4(weights: Weights, pool: KVPool, arch: Arch) -> FusedInt4Layers | N
     plain = all(isinstance(getattr(lw, m), PackedInt4Weight) for lw in weights.layers for m in FUSED) and all(
         b is None for lw in weights.layers for b in (lw.qkv_bias, lw.o_bias, lw.gate_up_bias, lw.down_bias,
                                                       lw.qk_norm))
-    if not (plain and cpu_gemm.attention_takes(arch.head_dim, arch.group) and cpu_gemm.fused_kernel() is not None):
+    if not (plain and cpu_gemm.attention_takes(arch.head_dim, arch.group) and cpu_gemm.lowbit() is not None):
         return None
     layers = [cpu_gemm.FusedLayerWeights(lw.qkv, lw.o, lw.gate_up, lw.down, lw.input_norm, lw.post_norm,
                                          pool.k[i], pool.v[i], lw.window) for i, lw in enumerate(weights.layers)]
@@ -613,8 +614,8 @@ class PagedLlamaRunner:
         or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
         `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
         dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring), whose output
-        head is `int4_head` (bfloat16 | int8). cpu_kernels: float32 on the CPU runs its matmuls in
-        specdec's kernel ("specdec", where it builds) or torch's ("torch")."""
+        head is `int4_head` (bfloat16 | int8). cpu_kernels: on the CPU, float32 and int4 run in
+        specdec's kernels ("specdec", where they build; module docstring) or torch's ("torch")."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
         if dtype == INT4 and torch.device(device).type != "cpu":

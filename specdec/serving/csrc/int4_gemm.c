@@ -1,8 +1,8 @@
 /* 4-bit and 8-bit weights against 8-bit activations, for drafts on CPUs with AVX-512 VNNI:
  * y[M, N] = x[M, K] @ W[K, N], with W stored in few bits and x quantized here per row and group.
  *
- * Built by specdec/serving/cpu_gemm.py (-O3 -march=native), called through ctypes,
- * single-threaded. A draft needs no exactness (the target checks every token), only agreement
+ * Compiled as part of fused_int4.c (which includes it) by specdec/serving/cpu_gemm.py
+ * (-O3 -march=native), called through ctypes, single-threaded. A draft needs no exactness (the target checks every token), only agreement
  * with the target and speed; this is llama.cpp's Q4_1 x Q8_1 arithmetic, on vpdpbusd.
  *
  * Activations: each row is cut into groups of G = 32 inputs; a group's scale is its largest

@@ -1,7 +1,8 @@
 /* Causal attention over a paged KV pool, one query row at a time, for CPU steps (AVX-512).
  *
- * Built by specdec/serving/cpu_gemm.py (-O3 -march=native), called through ctypes,
- * single-threaded. It replaces gather + SDPA in paged_llama.attention where it builds.
+ * Compiled as part of fused_int4.c (which includes it) by specdec/serving/cpu_gemm.py
+ * (-O3 -march=native), single-threaded: the fused draft layers' attention, in place of gather
+ * + SDPA (cpu_gemm.paged_attention calls it alone, for tests).
  *
  * For each query token t (of sequence b = seq[t], at position p = pos[t]) and each KV head h,
  * the G query heads h*G .. h*G+G-1 attend to keys j = lo .. p of that sequence
