@@ -138,9 +138,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def attention_scratch(max_keys: int, group: int) -> torch.Tensor:
-    """The float32 scratch paged_attention needs for rows of at most max_keys keys."""
-    return torch.empty(lowbit().paged_attention_scratch_floats(max_keys, group), dtype=torch.float32)
+def attention_scratch(max_keys: int, heads: int) -> torch.Tensor:
+    """The float32 scratch paged_attention needs for rows of at most max_keys keys, `heads` query heads."""
+    return torch.empty(lowbit().paged_attention_scratch_floats(max_keys, heads), dtype=torch.float32)
 
 
 def attention_takes(head_dim: int, group: int) -> bool:
@@ -325,11 +325,11 @@ def _check_lowbit(w: torch.Tensor, kind: str) -> None:
 @dataclass(frozen=True)
 class PackedInt4Weight:
     """A [in, out] weight on the Q4_1 grid for int4_gemm.c: per group of GROUP input rows and per
-    output column, w = d * q + lo with q in 0..15 (d and lo in float32, the group's min/max
-    range in 15 steps). Against int8 activations (each row's groups of GROUP scaled to +-127)."""
+    output column, w = d * q + lo with q in 0..15 (d and lo in float16 as in a Q4_1 GGUF, the
+    group's min/max range in 15 steps). Against int8 activations (each row's groups of GROUP scaled to +-127)."""
 
     codes: torch.Tensor  # [out/16, in/8, 64] uint8: two 4-bit codes a byte (int4_gemm.c's layout)
-    scales: torch.Tensor  # [out/16, in/GROUP, 2, 16] float32: d, then lo, of each group's 16 outputs
+    scales: torch.Tensor  # [out/16, in/GROUP, 2, 16] float16: d, then lo, of each group's 16 outputs
     in_features: int
     out_features: int
 
@@ -341,8 +341,12 @@ class PackedInt4Weight:
         p, ng = n // PANEL, k // GROUP
         groups = w.detach().float().t().reshape(n, ng, GROUP)  # [out, in/G, G]
         low, high = groups.amin(-1), groups.amax(-1)  # [out, in/G]
-        d = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)  # [out, in/G]
-        q = torch.round((groups - low.unsqueeze(-1)) / d.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)  # [out, in/G, G]
+        if max(float(low.abs().max()), float(high.abs().max())) > torch.finfo(torch.float16).max:
+            raise ValueError("PackedInt4Weight keeps its scales in float16: weights beyond +-65504 do not fit")
+        d = ((high - low) / 15).half()  # [out, in/G]
+        low = low.half()  # [out, in/G]
+        step = d.float().clamp(min=torch.finfo(torch.float32).tiny)  # [out, in/G]
+        q = torch.round((groups - low.float().unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)  # [out, in/G, G]
         halves = q.view(p, PANEL, k // 8, 2, 4)  # [out/16, 16, in/8, 2, 4]: inputs 8b+t (low) and 8b+4+t (high)
         codes = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()  # [out/16, in/8, 16, 4]
         scales = torch.stack([d, low], -1).view(p, PANEL, ng, 2).permute(0, 2, 3, 1).contiguous()  # [out/16, in/G, 2, 16]
@@ -357,7 +361,7 @@ class PackedInt4Weight:
         p, k, n = self.out_features // PANEL, self.in_features, self.out_features
         b = self.codes.view(p, k // 8, PANEL, 4)
         q = torch.stack([b & 15, b >> 4], 3).permute(0, 2, 1, 3, 4).reshape(n, k).float()  # [out, in]
-        d, lo = self.scales[:, :, 0].permute(0, 2, 1).reshape(n, -1), self.scales[:, :, 1].permute(0, 2, 1).reshape(n, -1)
+        d, lo = (self.scales[:, :, i].permute(0, 2, 1).reshape(n, -1).float() for i in (0, 1))
         return (q.view(n, -1, GROUP) * d.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).t()  # [in, out]
 
     def storages(self) -> list[torch.Tensor]:

@@ -14,10 +14,10 @@
 #include "paged_attention.c"
 
 typedef struct {
-    const uint8_t *qkv_codes; const float *qkv_scales;
-    const uint8_t *o_codes; const float *o_scales;
-    const uint8_t *gate_up_codes; const float *gate_up_scales;
-    const uint8_t *down_codes; const float *down_scales;
+    const uint8_t *qkv_codes; const void *qkv_scales; /* scales: float16 (int4_gemm.c) */
+    const uint8_t *o_codes; const void *o_scales;
+    const uint8_t *gate_up_codes; const void *gate_up_scales;
+    const uint8_t *down_codes; const void *down_scales;
     const float *input_norm, *post_norm; /* [hidden] float32 */
     void *k_cache, *v_cache;             /* [S, Hkv, D], bfloat16 when cache_bf16 */
     long window;                         /* 0 = full attention */
@@ -46,7 +46,7 @@ long fused_scratch_bytes(const fused_model *m, long T, long max_keys)
     const long nqkv = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim, f = sizeof(float);
     return align64(T * m->hidden * f) * 2 + align64(T * nqkv * f) + align64(T * m->num_heads * m->head_dim * f) +
            align64(T * 2 * m->intermediate * f) + align64(T * m->intermediate * f) + align64(lowbit_max_scratch(m, T)) +
-           align64(paged_attention_scratch_floats(max_keys, m->num_heads / m->num_kv_heads) * f) + 64;
+           align64(paged_attention_scratch_floats(max_keys, m->num_heads) * f) + 64;
 }
 
 static void rms_norm_rows(const float *x, const float *w, long T, long n, float eps, float *out)

@@ -9,14 +9,14 @@
  * |x| / 127, and x is rounded to int8 codes xq with it (xq_sum = the group's sum of codes).
  *
  * Int4 weights (the Q4_1 grid): per group of 32 inputs and per output n, w = d * q + lo with
- * q in 0..15. Then sum_k w x = sum_groups sx * (d * sum_k q xq + lo * xq_sum).
+ * q in 0..15, d and lo in float16 (as a Q4_1 GGUF stores them). Then sum_k w x = sum_groups sx * (d * sum_k q xq + lo * xq_sum).
  * Int8 weights (an output head, one scale per output): w = s * c with c in -127..127, stored
  * as c + 128 (unsigned); sum_k w x = s * sum_groups sx * (sum_k (c + 128) xq - 128 * xq_sum).
  *
  * Layouts, panels of 16 outputs (one 512-bit vector of int32 lanes):
  *   int4 codes: per panel, per block of 8 inputs, 64 bytes: byte 4n + t holds q[k0 + t][n] in its
  *     low nibble and q[k0 + 4 + t][n] in its high nibble (t = 0..3): one vpdpbusd per nibble half;
- *   int4 scales: per panel, per group, 32 floats: d[0..15] then lo[0..15];
+ *   int4 scales: per panel, per group, 32 float16: d[0..15] then lo[0..15];
  *   int8 codes: per panel, per block of 4 inputs, 64 bytes: byte 4n + t = c[k0 + t][n] + 128;
  *   int8 scales: [N] floats.
  * Every output is computed the same way whatever M and the tiling: the results do not depend on
@@ -80,7 +80,7 @@ static inline void store_row(void *y, int y_bf16, long off, __m512 v)
 /* int4: one tile of MR rows x NR panels */
 #define TILE4(MR, NR)                                                                                        \
     static void t4_##MR##_##NR(const int8_t *xq, const float *sx, const float *xs, long K, const uint8_t *wq, \
-                               const float *ws, void *y, int y_bf16, long N)                                 \
+                               const void *ws, void *y, int y_bf16, long N)                                  \
     {                                                                                                        \
         const long ng = K / G, pq = K * 8, pw = ng * 2 * PANEL;                                              \
         const __m512i lowmask = _mm512_set1_epi8(0x0F);                                                      \
@@ -110,8 +110,9 @@ static inline void store_row(void *y, int y_bf16, long off, __m512 v)
                 }                                                                                            \
             }                                                                                                \
             _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                                           \
-                const __m512 d = _mm512_loadu_ps(ws + j * pw + g * 2 * PANEL);                               \
-                const __m512 mins = _mm512_loadu_ps(ws + j * pw + g * 2 * PANEL + PANEL);                      \
+                const uint16_t *s16 = (const uint16_t *)ws + j * pw + g * 2 * PANEL;                         \
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s16));                  \
+                const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s16 + PANEL)));     \
                 _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                       \
                     const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(sx[i * ng + g]));                      \
                     acc[i * NR + j] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot[i * NR + j]), acc[i * NR + j]); \
@@ -126,9 +127,10 @@ static inline void store_row(void *y, int y_bf16, long off, __m512 v)
 /* int8: one tile of MR rows x NR panels */
 #define TILE8(MR, NR)                                                                                        \
     static void t8_##MR##_##NR(const int8_t *xq, const float *sx, const float *xs, long K, const uint8_t *wq, \
-                               const float *ws, void *y, int y_bf16, long N)                                 \
+                               const void *ws_, void *y, int y_bf16, long N)                                 \
     {                                                                                                        \
         const long ng = K / G, pq = K * PANEL;                                                               \
+        const float *ws = (const float *)ws_;                                                                \
         __m512 acc[MR * NR];                                                                                 \
         _Pragma("GCC unroll 32") for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_ps();            \
         float corr[MR];                                                                                      \
@@ -168,7 +170,7 @@ TILES(TILE4)
 TILES(TILE8)
 static const int NR_FOR[MAXR + 1] = {0, 8, 4, 3, 2, 2, 2};
 
-typedef void (*tile_fn)(const int8_t *, const float *, const float *, long, const uint8_t *, const float *, void *,
+typedef void (*tile_fn)(const int8_t *, const float *, const float *, long, const uint8_t *, const void *, void *,
                         int, long);
 #define CASE(P, MR, NR) case (MR) * 16 + (NR): return P##_##MR##_##NR;
 #define CASES(P)                                                                                            \
@@ -187,8 +189,9 @@ static tile_fn pick(int bits, int mr, int nr)
 /* scratch for the quantized activations: xq [M, K] int8, then sx and xs [M, K/G] floats each */
 long lowbit_scratch_bytes(long M, long K) { return M * K + 2 * M * (K / G) * (long)sizeof(float) + 64; }
 
-/* bits 4 or 8; wq, ws as in the header; x [M, K]; y [M, N]; K % 32 == 0, N % 16 == 0 */
-void lowbit_gemm(int bits, const void *x, int x_bf16, long M, long K, const uint8_t *wq, const float *ws, long N,
+/* bits 4 or 8; wq, ws as in the header (ws: float16 for 4 bits, float32 for 8); x [M, K]; y [M, N];
+ * K % 32 == 0, N % 16 == 0 */
+void lowbit_gemm(int bits, const void *x, int x_bf16, long M, long K, const uint8_t *wq, const void *ws, long N,
                  void *y, int y_bf16, void *scratch)
 {
     int8_t *xq = (int8_t *)scratch;
@@ -197,7 +200,8 @@ void lowbit_gemm(int bits, const void *x, int x_bf16, long M, long K, const uint
     quantize_rows(x, x_bf16, M, K, xq, sx, xs);
     const long np = N / PANEL;
     const long pq = bits == 4 ? K * 8 : K * PANEL;                 /* code bytes per panel */
-    const long pw = bits == 4 ? (K / G) * 2 * PANEL : PANEL;       /* scale floats per panel */
+    const long pw = bits == 4 ? (K / G) * 2 * PANEL : PANEL;       /* scales per panel */
+    const long sb = bits == 4 ? 2 : 4;                             /* bytes per scale */
     const long ng = K / G;
     const int nr0 = M <= MAXR ? NR_FOR[M] : 2;
     for (long p = 0; p < np;) { /* a column group's panels stay in cache while every row tile passes */
@@ -207,7 +211,7 @@ void lowbit_gemm(int bits, const void *x, int x_bf16, long M, long K, const uint
             int use = nr;
             if (!pick(bits, mr, use)) use = 1;
             for (int j = 0; j < nr; j += use)
-                pick(bits, mr, use)(xq + m0 * K, sx + m0 * ng, xs + m0 * ng, K, wq + (p + j) * pq, ws + (p + j) * pw,
+                pick(bits, mr, use)(xq + m0 * K, sx + m0 * ng, xs + m0 * ng, K, wq + (p + j) * pq, (const char *)ws + (p + j) * pw * sb,
                                     (char *)y + (m0 * N + (p + j) * PANEL) * (y_bf16 ? 2 : 4), y_bf16, N);
         }
         p += nr;

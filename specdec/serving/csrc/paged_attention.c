@@ -71,22 +71,133 @@ static inline __m512 exp16(__m512 x)
     return _mm512_maskz_scalef_ps(~tiny, p, n);
 }
 
-/* the nv vectors of head h of key `key` (a position of the sequence whose block table is
- * `table`) from a cache [S, Hkv, D] */
-static inline void load_head(__m512 *dst, const void *cache, const int64_t *table, long key, long block_size,
-                             long hkv, long h, long d, long nv, int bf16)
+/* Keys are read a block at a time: a block's slots are contiguous ([bs, Hkv, D]), every KV
+ * head's keys of a block are used while the block is in L1, and the next block is prefetched
+ * (the weights' stream evicts the pool between layers: walking it head by head with a division
+ * per key waited on memory, 3x slower than from cache). */
+static inline void prefetch_block(const char *p, long bytes)
 {
-    const long es = bf16 ? 2 : 4, slot = table[key / block_size] * block_size + key % block_size;
-    const char *p = (const char *)cache + ((slot * hkv + h) * d) * es;
-    for (long c = 0; c < nv; c++)
-        dst[c] = load16(p + c * VW * es, bf16);
+    for (long o = 0; o < bytes; o += 64)
+        _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
-long paged_attention_scratch_floats(long max_keys, long group) { return group * (max_keys + VW); }
+static inline void prefetch_block_l2(const char *p, long bytes)
+{
+    for (long o = 0; o < bytes; o += 64)
+        _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
+#ifndef PREFETCH_KEYS
+#define PREFETCH_KEYS 32
+#endif
+
+long paged_attention_scratch_floats(long max_keys, long heads) { return heads * (max_keys + VW) + heads * MAXD; }
+
+/* one query row: scores, softmax and the weighted sum of values, nv = D / 16 and g = Hq / Hkv
+ * (constants where the caller's dispatch makes them so) */
+static inline __attribute__((always_inline)) void attend_row(
+    const char *qrow, int q_bf16, const char *k_cache, const char *v_cache, int cache_bf16, const int64_t *table,
+    long block_size, long lo, long p, long hkv, const long g, const long nv, float scale, char *orow, int out_bf16,
+    float *scratch)
+{
+    const long d = nv * VW, hq = hkv * g, n = p - lo + 1, es = cache_bf16 ? 2 : 4, qs = q_bf16 ? 2 : 4;
+    const long key_bytes = hkv * d * es, block_bytes = block_size * key_bytes;
+    const long first = lo / block_size, last = p / block_size;
+    float *acc = scratch + hq * (n + VW); /* [Hq, D] */
+    /* scores: scratch[hh * (n + VW) + (j - lo)], each head's keys in order */
+    long pb = first, pj = lo - first * block_size; /* the prefetch cursor: block, key in it */
+    for (long i = 0; i < PREFETCH_KEYS && pb <= last; i++) {
+        prefetch_block(k_cache + table[pb] * block_bytes + pj * key_bytes, key_bytes);
+        if (++pj == block_size) pj = 0, pb++;
+    }
+    for (long b = first; b <= last; b++) {
+        const long j0 = b == first ? lo : b * block_size, j1 = b == last ? p : b * block_size + block_size - 1;
+        const char *base = k_cache + table[b] * block_bytes;
+        prefetch_block_l2(v_cache + table[b] * block_bytes, block_bytes); /* for the second pass */
+        for (long h = 0; h < hkv; h++) {
+            __m512 qv[MAXG][MAXD / VW];
+            for (long i = 0; i < g; i++)
+                for (long c = 0; c < nv; c++)
+                    qv[i][c] = load16(qrow + ((h * g + i) * d + c * VW) * qs, q_bf16);
+            for (long j = j0; j <= j1; j++) {
+                if (h == 0) { /* the key PREFETCH_KEYS ahead, every head of it */
+                    if (++pj == block_size) pj = 0, pb++;
+                    if (pb <= last)
+                        prefetch_block(k_cache + table[pb] * block_bytes + pj * key_bytes, key_bytes);
+                }
+                const char *kp = base + (j - b * block_size) * key_bytes + h * d * es;
+                __m512 kv[MAXD / VW];
+                for (long c = 0; c < nv; c++)
+                    kv[c] = load16(kp + c * VW * es, cache_bf16);
+                for (long i = 0; i < g; i++) {
+                    __m512 a = _mm512_mul_ps(qv[i][0], kv[0]);
+                    for (long c = 1; c < nv; c++)
+                        a = _mm512_fmadd_ps(qv[i][c], kv[c], a);
+                    scratch[(h * g + i) * (n + VW) + (j - lo)] = _mm512_reduce_add_ps(a) * scale;
+                }
+            }
+        }
+    }
+    for (long hh = 0; hh < hq; hh++) {
+        float *s = scratch + hh * (n + VW);
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        long j = 0;
+        for (; j + VW <= n; j += VW)
+            m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+        const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + j));
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 sum = _mm512_setzero_ps();
+        for (j = 0; j + VW <= n; j += VW) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
+            _mm512_storeu_ps(s + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mx)));
+        _mm512_mask_storeu_ps(s + j, tail, e);
+        sum = _mm512_add_ps(sum, e);
+        s[n] = 1.0f / _mm512_reduce_add_ps(sum); /* kept beside the weights */
+        for (long c = 0; c < nv; c++)
+            _mm512_storeu_ps(acc + hh * d + c * VW, _mm512_setzero_ps());
+    }
+    /* out = sum_j w_j v_j: each head's accumulators over the keys in order */
+    for (long b = first; b <= last; b++) {
+        const long j0 = b == first ? lo : b * block_size, j1 = b == last ? p : b * block_size + block_size - 1;
+        const char *base = v_cache + table[b] * block_bytes;
+        if (b + 1 <= last)
+            prefetch_block(v_cache + table[b + 1] * block_bytes, block_bytes);
+        for (long h = 0; h < hkv; h++) {
+            __m512 av[MAXG][MAXD / VW];
+            for (long i = 0; i < g; i++)
+                for (long c = 0; c < nv; c++)
+                    av[i][c] = _mm512_loadu_ps(acc + (h * g + i) * d + c * VW);
+            for (long j = j0; j <= j1; j++) {
+                const char *vp = base + (j - b * block_size) * key_bytes + h * d * es;
+                __m512 vv[MAXD / VW];
+                for (long c = 0; c < nv; c++)
+                    vv[c] = load16(vp + c * VW * es, cache_bf16);
+                for (long i = 0; i < g; i++) {
+                    const __m512 w = _mm512_set1_ps(scratch[(h * g + i) * (n + VW) + (j - lo)]);
+                    for (long c = 0; c < nv; c++)
+                        av[i][c] = _mm512_fmadd_ps(w, vv[c], av[i][c]);
+                }
+            }
+            for (long i = 0; i < g; i++)
+                for (long c = 0; c < nv; c++)
+                    _mm512_storeu_ps(acc + (h * g + i) * d + c * VW, av[i][c]);
+        }
+    }
+    for (long hh = 0; hh < hq; hh++) {
+        const __m512 inv = _mm512_set1_ps(scratch[hh * (n + VW) + n]);
+        for (long c = 0; c < nv; c++)
+            store16(orow + (hh * d + c * VW) * (out_bf16 ? 2 : 4), _mm512_mul_ps(_mm512_loadu_ps(acc + hh * d + c * VW), inv),
+                    out_bf16);
+    }
+}
 
 /* q [T, Hq, D] with row stride q_stride (elements); k_cache, v_cache [S, Hkv, D];
  * block_tables [B, MB] int64; seq [T], pos [T] int64; out [T, Hq * D]; scratch of
- * paged_attention_scratch_floats(max pos + 1, G) floats. q_bf16, cache_bf16, out_bf16: which
+ * paged_attention_scratch_floats(max pos + 1, Hq) floats. q_bf16, cache_bf16, out_bf16: which
  * of q, the caches and out are bfloat16 (else float32). Returns 0, or -1 for shapes it does not take. */
 int paged_attention(const void *q, long q_stride, int q_bf16, const void *k_cache, const void *v_cache, int cache_bf16,
                     const int64_t *block_tables, long mb, long block_size, const int64_t *seq, const int64_t *pos,
@@ -97,66 +208,21 @@ int paged_attention(const void *q, long q_stride, int q_bf16, const void *k_cach
     if (d % VW || d > MAXD || g > MAXG || hq % hkv)
         return -1;
     for (long t = 0; t < T; t++) {
-        const long p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+        const long p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
         const int64_t *table = block_tables + seq[t] * mb;
-        for (long h = 0; h < hkv; h++) {
-            __m512 qv[MAXG][MAXD / VW];
-            for (long i = 0; i < g; i++)
-                for (long c = 0; c < nv; c++)
-                    qv[i][c] = load16((const char *)q + ((t * q_stride) + (h * g + i) * d + c * VW) * qs, q_bf16);
-            /* scores: scratch[i * (n + VW) + j] */
-            for (long j = 0; j < n; j++) {
-                __m512 kv[MAXD / VW];
-                load_head(kv, k_cache, table, lo + j, block_size, hkv, h, d, nv, cache_bf16);
-                for (long i = 0; i < g; i++) {
-                    __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);
-                    for (long c = 1; c < nv; c++)
-                        acc = _mm512_fmadd_ps(qv[i][c], kv[c], acc);
-                    scratch[i * (n + VW) + j] = _mm512_reduce_add_ps(acc) * scale;
-                }
-            }
-            for (long i = 0; i < g; i++) {
-                float *s = scratch + i * (n + VW);
-                __m512 m = _mm512_set1_ps(-INFINITY);
-                long j = 0;
-                for (; j + VW <= n; j += VW)
-                    m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-                const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-                m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + j));
-                const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-                __m512 sum = _mm512_setzero_ps();
-                for (j = 0; j + VW <= n; j += VW) {
-                    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
-                    _mm512_storeu_ps(s + j, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mx)));
-                _mm512_mask_storeu_ps(s + j, tail, e);
-                sum = _mm512_add_ps(sum, e);
-                const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-                s[n] = inv; /* kept beside the weights */
-            }
-            /* out = sum_j w_j v_j, each head's accumulators over the keys in order */
-            __m512 acc[MAXG][MAXD / VW];
-            for (long i = 0; i < g; i++)
-                for (long c = 0; c < nv; c++)
-                    acc[i][c] = _mm512_setzero_ps();
-            for (long j = 0; j < n; j++) {
-                __m512 vv[MAXD / VW];
-                load_head(vv, v_cache, table, lo + j, block_size, hkv, h, d, nv, cache_bf16);
-                for (long i = 0; i < g; i++) {
-                    const __m512 w = _mm512_set1_ps(scratch[i * (n + VW) + j]);
-                    for (long c = 0; c < nv; c++)
-                        acc[i][c] = _mm512_fmadd_ps(w, vv[c], acc[i][c]);
-                }
-            }
-            for (long i = 0; i < g; i++) {
-                const __m512 inv = _mm512_set1_ps(scratch[i * (n + VW) + n]);
-                char *op = (char *)out + ((t * hq + h * g + i) * d) * os;
-                for (long c = 0; c < nv; c++)
-                    store16(op + c * VW * os, _mm512_mul_ps(acc[i][c], inv), out_bf16);
-            }
-        }
+        const char *qrow = (const char *)q + t * q_stride * qs;
+        char *orow = (char *)out + t * hq * d * os;
+#define ROW(G_, NV_) attend_row(qrow, q_bf16, k_cache, v_cache, cache_bf16, table, block_size, lo, p, hkv, G_, NV_, \
+                                scale, orow, out_bf16, scratch)
+        if (nv == 4 && g == 3) /* SmolLM2 */
+            ROW(3, 4);
+        else if (nv == 4)
+            ROW(g, 4);
+        else if (nv == 8)
+            ROW(g, 8);
+        else
+            ROW(g, nv);
+#undef ROW
     }
     return 0;
 }
