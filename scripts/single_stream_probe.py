@@ -35,6 +35,7 @@ CONFIGS = {  # name -> (section, field, value) overrides of the embedded default
     "k8-mkl": [("orchestrator", "default_k", 8), ("target", "cpu_kernels", "torch")],
     "adaptive-mkl": [("orchestrator", "default_k", 8), ("orchestrator", "adaptive_k", True), ("target", "cpu_kernels", "torch")],
     "k6": [("orchestrator", "default_k", 6)],
+    "k7": [("orchestrator", "default_k", 7)],
     "adaptive": [("orchestrator", "default_k", 8), ("orchestrator", "adaptive_k", True)],
     "q8_0": [("draft", "engine", "llamacpp"), ("draft", "gguf_type", "q8_0")],
     "q4_1": [("draft", "engine", "llamacpp"), ("draft", "gguf_type", "")],

@@ -191,8 +191,9 @@ def test_paged_attention_is_softmax_attention_row_by_row(dtype, window):
 @needs_skinny
 def test_the_float32_runner_packs_by_default():
     """The default fp32 runner packs every matmul weight (a tied embedding reads the packed head)
-    and attends with SDPA; its logits are torch's to rounding; a verify's rows are within
-    attention's rounding of one-token decodes (the matmuls add none)."""
+    and, with the VNNI library, attends in specdec's kernel; its logits are torch's to rounding;
+    a verify's rows equal one-token decodes bit for bit (with SDPA, within attention's rounding:
+    the matmuls add none)."""
     from specdec.serving.batch import SeqChunk
     from specdec.serving.paged_llama import PagedLlamaRunner
     from tests.test_paged_llama import tiny_model
@@ -202,14 +203,15 @@ def test_the_float32_runner_packs_by_default():
     assert isinstance(r.weights.lm_head, PackedF32Weight) and r.weights.embed is r.weights.lm_head
     assert all(isinstance(getattr(lw, m), PackedF32Weight) for lw in r.weights.layers
                for m in ("qkv", "o", "gate_up", "down"))
-    assert r.fused is None
+    assert r.fused is None and r.c_attention == (cpu_gemm.lowbit() is not None)
     rt = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4, cpu_kernels="torch")
+    assert not rt.c_attention
     assert r.facts.weight_bytes == rt.facts.weight_bytes
     toks = [5, 17, 33, 2, 99, 64, 8, 120, 1]
     sv, sd = r.blocks.reserve(12), r.blocks.reserve(12)
     (verify,) = r.forward([SeqChunk(sv, toks, 0, len(toks))])  # [9, V]
     decodes = [r.forward([SeqChunk(sd, [t], i, 1)])[0] for i, t in enumerate(toks)]
-    torch.testing.assert_close(verify, torch.cat(decodes), rtol=0, atol=1e-5)
+    torch.testing.assert_close(verify, torch.cat(decodes), rtol=0, atol=0 if r.c_attention else 1e-5)
     (ref,) = rt.forward([SeqChunk(rt.blocks.reserve(12), toks, 0, len(toks))])
     torch.testing.assert_close(verify, ref, rtol=1e-5, atol=1e-4)
 
