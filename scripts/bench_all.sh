@@ -33,11 +33,18 @@ python scripts/cpu_kernels_probe.py --reps 9 > docs/bench/cpu-kernels-probe.txt
 python scripts/int8_head_probe.py > docs/bench/draft-agreement-cpu-kernels.json
 python scripts/single_stream_probe.py "$out/single-stream" --reps 3 --tokens 256 --configs k8,k8-mkl,k4,adaptive \
   > docs/bench/single-stream-cpu-kernels.json
+# 6p. the runners' steps as the context grows (~2 min), single stream at k 8 and 7 (~3 min), and the
+#     decode rate against llama.cpp's example on the current kernels (~6 min)
+python scripts/step_context_probe.py > docs/bench/step-context-probe.json
+python scripts/single_stream_probe.py "$out/single-stream-6p" --reps 2 --tokens 256 --configs k8,k7 \
+  > docs/bench/single-stream-2026-12-06.json
+specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 \
+  --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-final"
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt
 #    from each of the 4 workloads, 3 runs per cell (79-109 min on the VMs measured before specdec's CPU
-#    kernels; 23 min on the AVX-512 VM of 2026-12-05 with them)
+#    kernels; 23 min on the AVX-512 VM of 2026-12-05 with them, 18 min on 2026-12-06)
 specdec study --studies ksweep,temps,positions --prompts 1 --runs 3 --ks 1,2,4,8,12,16 --draft-temps 0,0.6 \
   --control --no-progress --out "$out/study"
 # 3. every draft this machine can load (k=8, and k=16 for the position curves), 128 tokens, 2 runs (~25 min)
@@ -61,4 +68,5 @@ cp "$out/decode-llamacpp/compare.md" docs/bench/decode-vs-llamacpp-llamacpp-targ
 cp "$out/decode-sequential-2cores/compare.md" docs/bench/decode-vs-llamacpp-sequential-2cores.md
 cp "$out/load/load.md" docs/bench/load.md
 cp "$out/load/concurrency.png" docs/bench/concurrency.png
+cp "$out/decode-final/compare.md" docs/bench/decode-vs-llamacpp-2026-12-06.md
 echo "bench_all: results in $out/, quoted copies in docs/bench/"
