@@ -9,8 +9,9 @@
   for 9 rows, and the head 0.83 ms against 1.82 for one row.
 - `FusedInt4Layers` (csrc/fused_int4.c, AVX-512 VNNI): the int4 draft's decoder layers in one
   call for small steps, with `paged_attention` (csrc/paged_attention.c): each row's attention
-  over its own sequence's keys in the paged pool, no gather, no mask.
-(Numbers: BENCHMARKS.md §6o, scripts/cpu_kernels_probe.py.)
+  over its own sequence's keys in the paged pool, no gather, no mask. The same kernel, called
+  alone, attends for every other CPU step (paged_llama.attends_in_c).
+(Numbers: BENCHMARKS.md §6o, scripts/cpu_kernels_probe.py; §6p, scripts/step_context_probe.py.)
 
 Exactness: in skinny_gemm.c each output is one chain of fused multiply-adds over the inputs in
 order, so a row's result does not depend on how many rows share the matmul: a verify's matmuls

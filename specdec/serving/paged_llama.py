@@ -501,8 +501,8 @@ def attends_in_c(arch: Arch, device: torch.device, cpu_kernels: str) -> bool:
     with the AVX-512 VNNI library, cpu_kernels = specdec, heads it takes. A row's result then
     does not depend on the rows beside it, so with the fp32 target's skinny_gemm a verify's
     logits equal one-token decodes bit for bit; and it is faster than SDPA on this CPU at every
-    shape measured (the fp32 target at 300 keys: 1 row 18.9 against 20.3 ms, 9 rows 28.8
-    against 30.7; a 256-token prompt 265 against 300)."""
+    shape measured (the fp32 target at 300 keys: 1 row 18.85 against 19.41 ms, 9 rows 28.75
+    against 31.05; scripts/step_context_probe.py, BENCHMARKS.md §6p)."""
     return (device.type == "cpu" and cpu_kernels == "specdec" and cpu_gemm.lowbit() is not None
             and cpu_gemm.attention_takes(arch.head_dim, arch.group))
 

@@ -176,14 +176,15 @@ TILES(TILE8)
 
 typedef void (*tile_fn)(const int8_t *, const float *, const float *, long, const uint8_t *, const void *, void *,
                         int, long);
-#define CASE(P, MR, NR) case (MR) * 16 + (NR): return P##_##MR##_##NR;
-#define CASES(P) CASE(P, 1, 1) CASE(P, 2, 1) CASE(P, 3, 1) CASE(P, 4, 1) CASE(P, 5, 1) CASE(P, 6, 1)
-static tile_fn pick(int bits, int mr, int nr)
+#define CASE(P, MR) case MR: return P##_##MR##_1;
+#define CASES(P) CASE(P, 1) CASE(P, 2) CASE(P, 3) CASE(P, 4) CASE(P, 5) CASE(P, 6)
+/* the one-panel tile of mr rows (1..MAXR) */
+static tile_fn pick(int bits, int mr)
 {
     if (bits == 4) {
-        switch (mr * 16 + nr) { CASES(t4) }
+        switch (mr) { CASES(t4) }
     } else {
-        switch (mr * 16 + nr) { CASES(t8) }
+        switch (mr) { CASES(t8) }
     }
     return 0;
 }
@@ -208,7 +209,7 @@ void lowbit_gemm(int bits, const void *x, int x_bf16, long M, long K, const uint
     for (long p = 0; p < np; p++) /* a panel stays in cache while every row tile passes */
         for (long m0 = 0; m0 < M; m0 += MAXR) {
             const int mr = M - m0 < MAXR ? (int)(M - m0) : MAXR;
-            pick(bits, mr, 1)(xq + m0 * K, sx + m0 * ng, xs + m0 * ng, K, wq + p * pq, (const char *)ws + p * pw * sb,
-                              (char *)y + (m0 * N + p * PANEL) * (y_bf16 ? 2 : 4), y_bf16, N);
+            pick(bits, mr)(xq + m0 * K, sx + m0 * ng, xs + m0 * ng, K, wq + p * pq, (const char *)ws + p * pw * sb,
+                          (char *)y + (m0 * N + p * PANEL) * (y_bf16 ? 2 : 4), y_bf16, N);
         }
 }

@@ -1,8 +1,9 @@
 /* Causal attention over a paged KV pool, one query row at a time, for CPU steps (AVX-512).
  *
  * Compiled as part of fused_int4.c (which includes it) by specdec/serving/cpu_gemm.py
- * (-O3 -march=native), single-threaded: the fused draft layers' attention, in place of gather
- * + SDPA (cpu_gemm.paged_attention calls it alone, for tests).
+ * (-O3 -march=native), single-threaded: the fused draft layers' attention, and through
+ * cpu_gemm.paged_attention every other CPU step's (paged_llama.attends_in_c), in place of
+ * gather + SDPA.
  *
  * For each query token t (of sequence b = seq[t], at position p = pos[t]) and each KV head h,
  * the G query heads h*G .. h*G+G-1 attend to keys j = lo .. p of that sequence
@@ -71,10 +72,11 @@ static inline __m512 exp16(__m512 x)
     return _mm512_maskz_scalef_ps(~tiny, p, n);
 }
 
-/* Keys are read a block at a time: a block's slots are contiguous ([bs, Hkv, D]), every KV
- * head's keys of a block are used while the block is in L1, and the next block is prefetched
- * (the weights' stream evicts the pool between layers: walking it head by head with a division
- * per key waited on memory, 3x slower than from cache). */
+/* Keys are read a block at a time: a block's slots are contiguous ([bs, Hkv, D]) and every KV
+ * head's keys of a block are used while the block is in L1. Prefetches: the keys PREFETCH_KEYS
+ * ahead (all heads) during the scores, each block's values into L2 meanwhile, and the next
+ * block's values during the weighted sum. (The weights' stream evicts the pool between layers:
+ * walking it head by head with a division per key waited on memory; BENCHMARKS.md §6p.) */
 static inline void prefetch_block(const char *p, long bytes)
 {
     for (long o = 0; o < bytes; o += 64)
