@@ -40,6 +40,15 @@ CONFIGS = {  # name -> (section, field, value) overrides of the embedded default
     "q8_0": [("draft", "engine", "llamacpp"), ("draft", "gguf_type", "q8_0")],
     "q4_1": [("draft", "engine", "llamacpp"), ("draft", "gguf_type", "")],
     "f16": [("draft", "engine", "llamacpp"), ("draft", "gguf_type", "f16")],
+    # the int4 draft with 8-bit activations and the int8 head (the default before §6q)
+    "x8": [("draft", "int4_head", "int8"), ("draft", "int4_activations", 8)],
+    "x8-k12": [("draft", "int4_head", "int8"), ("draft", "int4_activations", 8), ("orchestrator", "default_k", 12)],
+    # 16-bit activations and the shipped Q8_0 head
+    "x16": [("draft", "int4_head", "q8_0"), ("draft", "int4_activations", 16)],
+    "x16-k12": [("draft", "int4_head", "q8_0"), ("draft", "int4_activations", 16), ("orchestrator", "default_k", 12)],
+    "x16-k16": [("draft", "int4_head", "q8_0"), ("draft", "int4_activations", 16), ("orchestrator", "default_k", 16)],
+    "x16-adaptive": [("draft", "int4_head", "q8_0"), ("draft", "int4_activations", 16), ("orchestrator", "default_k", 16),
+                     ("orchestrator", "adaptive_k", True)],
 }
 
 ap = argparse.ArgumentParser()

@@ -12,6 +12,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from specdec.config import DraftConfig
+
 CONTEXT = 300
 SHAPES = ((1, 1), (4, 1), (8, 1), (16, 1), (1, 9), (4, 9), (8, 9), (16, 9))
 
@@ -33,8 +35,9 @@ class Variant:
     name: str
     engine: str  # torch | llamacpp
     precision: str  # torch dtype, or a GGUF type ("" = as shipped)
-    int4_head: str = "int8"  # torch int4: the output head (int8 as the draft service builds it, or bfloat16)
+    int4_head: str = DraftConfig.int4_head  # torch int4: the output head (by default as the draft service builds it)
     cpu_kernels: str = "specdec"  # torch float32 and int4: specdec's kernels (as the services build them) or torch's
+    int4_activations: int = DraftConfig.int4_activations  # torch int4 in specdec's kernels: 8 | 16 bits
 
 
 VARIANTS = {
@@ -44,6 +47,8 @@ VARIANTS = {
     "torch-int4": Variant("torch-int4", "torch", "int4"),
     "torch-int4-torch": Variant("torch-int4-torch", "torch", "int4", cpu_kernels="torch"),
     "torch-int4-bf16-head": Variant("torch-int4-bf16-head", "torch", "int4", "bfloat16"),
+    "torch-int4-x8": Variant("torch-int4-x8", "torch", "int4", "int8", int4_activations=8),  # 8-bit activations, int8 head
+    "torch-int4-x16": Variant("torch-int4-x16", "torch", "int4", "q8_0", int4_activations=16),  # 16-bit, Q8_0 head
     "llamacpp-f32": Variant("llamacpp-f32", "llamacpp", "f32"),
     "llamacpp-f16": Variant("llamacpp-f16", "llamacpp", "f16"),
     "llamacpp-q8_0": Variant("llamacpp-q8_0", "llamacpp", "q8_0"),
@@ -58,7 +63,7 @@ def load(v: Variant, model: str, seqs: int):
 
     cfg = ModelServiceConfig(engine=v.engine, model=model, dtype=v.precision if v.engine == "torch" else "float32",
                              gguf_type=v.precision if v.engine == "llamacpp" else "", int4_head=v.int4_head,
-                             cpu_kernels=v.cpu_kernels,
+                             cpu_kernels=v.cpu_kernels, int4_activations=v.int4_activations,
                              kv_pool_tokens=seqs * 512, max_sessions=seqs)
     return load_runner(cfg, "cpu")
 

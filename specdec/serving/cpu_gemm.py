@@ -161,18 +161,18 @@ class _FusedModel(ctypes.Structure):  # fused_int4.c's fused_model
     _fields_ = [("num_layers", ctypes.c_long), ("hidden", ctypes.c_long), ("num_heads", ctypes.c_long),
                 ("num_kv_heads", ctypes.c_long), ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("block_size", ctypes.c_long), ("cache_bf16", ctypes.c_int)]
+                ("block_size", ctypes.c_long), ("cache_bf16", ctypes.c_int), ("xbits", ctypes.c_int)]
 
 
 @functools.cache
 def lowbit() -> ctypes.CDLL | None:
     """The AVX-512 VNNI kernels, one library: csrc/fused_int4.c (the int4 precision's decoder layers
-    in one call), which includes int4_gemm.c (4- and 8-bit weights against 8-bit activations) and
+    in one call), which includes int4_gemm.c (4- and 8-bit weights against 8- or 16-bit activations) and
     paged_attention.c."""
     lib = _build("fused_int4", ("avx512f", "avx512bw", "avx512_vnni"))
     if lib is not None:
-        lib.lowbit_gemm.restype = None
-        lib.lowbit_gemm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long,
+        lib.lowbit_gemm.restype = ctypes.c_int
+        lib.lowbit_gemm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
                                     ctypes.c_void_p]
         lib.lowbit_scratch_bytes.restype = ctypes.c_long
@@ -232,7 +232,7 @@ class FusedInt4Layers:
         self.layers = (_FusedLayer * len(structs))(*structs)
         self.model = _FusedModel(len(structs), hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
                                  self.keep[0].data_ptr(), self.keep[1].data_ptr(), block_size,
-                                 int(layers[0].k_cache.dtype == torch.bfloat16))
+                                 int(layers[0].k_cache.dtype == torch.bfloat16), layers[0].qkv.act_bits)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor,
             block_tables: torch.Tensor) -> torch.Tensor:
@@ -297,12 +297,19 @@ class PackedF32Weight:
         return [self.panels]
 
 
-# inputs per group: the 4-bit weights' scales (as torch's Int4Weight), and the activations' int8
+# inputs per group: the 4-bit weights' scales (as torch's Int4Weight), and the activations'
 # scales (int4_gemm.c's G)
 GROUP = int4.GROUP
+# int4_gemm.c's weight formats
+LOWBIT_Q4_1, LOWBIT_I8_ROW, LOWBIT_Q8_0 = 4, 8, 9
+# the activations of the 4-bit matmuls and the Q8_0 head: int8 (llama.cpp's Q8_1: fastest) or int16
+# (two vpdpbusd a dot product: an int4 copy of a Q4_1 model then agrees with its float32 self,
+# BENCHMARKS §6q). ModelServiceConfig.int4_activations
+ACTIVATION_BITS = (8, 16)
 
 
-def _lowbit_matmul(bits: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: int) -> torch.Tensor:
+def _lowbit_matmul(fmt: int, xbits: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: int
+                   ) -> torch.Tensor:
     """x [T, in] float32 or bfloat16 -> [T, out] in x's dtype (int4_gemm.c)."""
     lib = lowbit()
     x = x.contiguous()
@@ -311,9 +318,15 @@ def _lowbit_matmul(bits: int, x: torch.Tensor, codes: torch.Tensor, scales: torc
     if rows:
         scratch = torch.empty(lib.lowbit_scratch_bytes(rows, k), dtype=torch.uint8)
         bf16 = int(x.dtype == torch.bfloat16)
-        lib.lowbit_gemm(bits, x.data_ptr(), bf16, rows, k, codes.data_ptr(), scales.data_ptr(), out, y.data_ptr(),
-                        bf16, scratch.data_ptr())
+        if lib.lowbit_gemm(fmt, xbits, x.data_ptr(), bf16, rows, k, codes.data_ptr(), scales.data_ptr(), out,
+                           y.data_ptr(), bf16, scratch.data_ptr()):
+            raise ValueError(f"int4_gemm.c has no kernel for weight format {fmt} with {xbits}-bit activations")
     return y
+
+
+def _check_bits(act_bits: int) -> None:
+    if act_bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {act_bits!r}")
 
 
 def _check_lowbit(w: torch.Tensor, kind: str) -> None:
@@ -327,17 +340,21 @@ def _check_lowbit(w: torch.Tensor, kind: str) -> None:
 class PackedInt4Weight:
     """A [in, out] weight on the Q4_1 grid for int4_gemm.c: per group of GROUP input rows and per
     output column, w = d * q + lo with q in 0..15 (d and lo in float16 as in a Q4_1 GGUF, the
-    group's min/max range in 15 steps). Against int8 activations (each row's groups of GROUP scaled to +-127)."""
+    group's min/max range in 15 steps). Against int8 or int16 activations (act_bits: each row's
+    groups of GROUP scaled to +-127 or +-32767). A model dequantized from a Q4_1 GGUF gets its own
+    codes and scales back (tests/test_cpu_gemm.py)."""
 
     codes: torch.Tensor  # [out/16, in/8, 64] uint8: two 4-bit codes a byte (int4_gemm.c's layout)
     scales: torch.Tensor  # [out/16, in/GROUP, 2, 16] float16: d, then lo, of each group's 16 outputs
     in_features: int
     out_features: int
+    act_bits: int = 8
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> "PackedInt4Weight":
+    def quantize(cls, w: torch.Tensor, act_bits: int = 8) -> "PackedInt4Weight":
         """w [in, out] (any float dtype) -> 4-bit codes per group of GROUP input rows."""
         _check_lowbit(w, "PackedInt4Weight")
+        _check_bits(act_bits)
         k, n = w.shape
         p, ng = n // PANEL, k // GROUP
         groups = w.detach().float().t().reshape(n, ng, GROUP)  # [out, in/G, G]
@@ -351,11 +368,11 @@ class PackedInt4Weight:
         halves = q.view(p, PANEL, k // 8, 2, 4)  # [out/16, 16, in/8, 2, 4]: inputs 8b+t (low) and 8b+4+t (high)
         codes = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()  # [out/16, in/8, 16, 4]
         scales = torch.stack([d, low], -1).view(p, PANEL, ng, 2).permute(0, 2, 3, 1).contiguous()  # [out/16, in/G, 2, 16]
-        return cls(codes.view(p, k // 8, 64), scales, k, n)
+        return cls(codes.view(p, k // 8, 64), scales, k, n, act_bits)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 or bfloat16 -> [T, out], the same dtype."""
-        return _lowbit_matmul(4, x, self.codes, self.scales, self.out_features)
+        return _lowbit_matmul(LOWBIT_Q4_1, self.act_bits, x, self.codes, self.scales, self.out_features)
 
     def dense(self) -> torch.Tensor:
         """The [in, out] float32 matrix the codes stand for (tests)."""
@@ -398,12 +415,72 @@ class PackedInt8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 or bfloat16 -> [T, out], the same dtype."""
-        return _lowbit_matmul(8, x, self.codes, self.scales, self.out_features)
+        return _lowbit_matmul(LOWBIT_I8_ROW, 8, x, self.codes, self.scales, self.out_features)
 
     def dense(self) -> torch.Tensor:
         """The [in, out] float32 matrix the codes stand for (tests)."""
         c = self.codes.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features).float() - 128  # [out, in]
         return (c * self.scales.unsqueeze(1)).t()
+
+    def storages(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales]
+
+
+@dataclass(frozen=True)
+class PackedQ8Weight:
+    """An output head as GGUF's Q8_0 keeps it, for int4_gemm.c: per group of GROUP input rows and
+    per output column, w = d * c with c in -127..127 (stored c + 128) and d in float16, against
+    int8 or int16 activations. The bytes of PackedInt8Weight; a head dequantized from a Q8_0 GGUF
+    (the shipped SmolLM2's) gets its own codes and scales back, where one scale per output rounds
+    every weight again."""
+
+    codes: torch.Tensor  # [out/16, in/4, 16, 4] uint8: c + 128 (PackedInt8Weight's layout)
+    scales: torch.Tensor  # [out/16, in/GROUP, 16] float16: d of each group's 16 outputs
+    act_bits: int = 8
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 4
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0] * PANEL
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, act_bits: int = 8) -> "PackedQ8Weight":
+        """w [in, out] (any float dtype) -> 8-bit codes per group of GROUP input rows and output."""
+        _check_lowbit(w, "PackedQ8Weight")
+        _check_bits(act_bits)
+        k, n = w.shape
+        p, ng = n // PANEL, k // GROUP
+        groups = w.detach().float().t().reshape(n, ng, GROUP)  # [out, in/G, G]
+        amax = groups.abs().amax(-1)  # [out, in/G]
+        if float(amax.max()) > torch.finfo(torch.float16).max:
+            raise ValueError("PackedQ8Weight keeps its scales in float16: weights beyond +-65504 do not fit")
+        d = (amax / 127).half()  # [out, in/G]
+        step = d.float().clamp(min=torch.finfo(torch.float32).tiny)  # [out, in/G]
+        c = torch.round(groups / step.unsqueeze(-1)).clamp_(-127, 127).to(torch.int16) + 128  # [out, in/G, G]
+        codes = c.to(torch.uint8).view(p, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [out/16, in/4, 16, 4]
+        scales = d.view(p, PANEL, ng).permute(0, 2, 1).contiguous()  # [out/16, in/G, 16]
+        return cls(codes, scales, act_bits)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 or bfloat16 -> [T, out], the same dtype."""
+        return _lowbit_matmul(LOWBIT_Q8_0, self.act_bits, x, self.codes, self.scales, self.out_features)
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> the matrix's columns [T, in] in float32 (a tied output head's embedding rows)."""
+        t = ids.shape[0]
+        c = self.codes[ids // PANEL, :, ids % PANEL].reshape(t, -1, GROUP).float() - 128  # [T, in/G, G]
+        d = self.scales[ids // PANEL, :, ids % PANEL].float()  # [T, in/G]
+        return (c * d.unsqueeze(-1)).view(t, -1)  # [T, in]
+
+    def dense(self) -> torch.Tensor:
+        """The [in, out] float32 matrix the codes stand for (tests)."""
+        n, k = self.out_features, self.in_features
+        c = self.codes.permute(0, 2, 1, 3).reshape(n, k).float() - 128  # [out, in]
+        d = self.scales.permute(0, 2, 1).reshape(n, k // GROUP).float()  # [out, in/G]
+        return (c.view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k).t()
 
     def storages(self) -> list[torch.Tensor]:
         return [self.codes, self.scales]

@@ -64,7 +64,7 @@ from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving import cpu_gemm
 from specdec.serving.blocks import BlockManager
 from specdec.serving.cpu_gemm import (CPU_KERNELS, PANEL, FusedInt4Layers, PackedF32Weight, PackedInt4Weight,
-                                     PackedInt8Weight)
+                                     PackedInt8Weight, PackedQ8Weight)
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight, Int8Weight
 
@@ -73,7 +73,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT4 = "int4"  # 4-bit weights, bf16 activations (CPU)
-INT4_HEADS = ("bfloat16", "int8")  # the int4 precision's output head
+# the int4 precision's output head: bfloat16; int8, one scale per vocabulary row; q8_0, a float16
+# scale per 32 inputs (GGUF's Q8_0: the shipped SMolLM2 head's own values; specdec's kernels only)
+INT4_HEADS = ("bfloat16", "int8", "q8_0")
 # the int8 head serves steps of at most this many logit rows: one core, 49,152 x 576, ms per head
 # matmul int8 / bf16 at 1, 2, 4, 6, 8, 16 rows: 1.8/4.3, 1.6/3.8, 1.9/3.8, 3.6/4.2, 3.8/4.3, 7.5/5.4
 # (scripts/int8_head_probe.py). specdec's int8 kernel (PackedInt8Weight) serves every step: against
@@ -88,9 +90,12 @@ SMALL_HEAD_ROWS = 4
 FUSED_ROWS = 12
 PRECISIONS = (*_DTYPES, INT4)
 # a weight used as x @ w: [in, out]
-Matrix = torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | PackedInt4Weight | PackedInt8Weight
+Matrix = (torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | PackedInt4Weight | PackedInt8Weight
+          | PackedQ8Weight)
 # the Matrix kinds with their own matmul and storages
-OWN_MATMUL = (Int4Weight, Int8Weight, PackedF32Weight, PackedInt4Weight, PackedInt8Weight)
+OWN_MATMUL = (Int4Weight, Int8Weight, PackedF32Weight, PackedInt4Weight, PackedInt8Weight, PackedQ8Weight)
+# a small head of specdec's kernels serves every step (it is faster than bf16 at every row count)
+PACKED_HEADS = (PackedInt8Weight, PackedQ8Weight)
 
 
 # ----------------------------------------------------------------------------------------
@@ -138,13 +143,13 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    embed: torch.Tensor | PackedF32Weight  # [V, hidden] (tied: a transposed view of lm_head, or lm_head itself when packed)
+    embed: torch.Tensor | PackedF32Weight | PackedQ8Weight  # [V, hidden] (tied: a transposed view of lm_head, or lm_head itself when packed)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: Matrix  # [hidden, V]
     cos: torch.Tensor  # [max_context, D]
     sin: torch.Tensor  # [max_context, D]
-    small_head: Int8Weight | PackedInt8Weight | None = None  # [hidden, V] in int8, for steps of few logit rows
+    small_head: Int8Weight | PackedInt8Weight | PackedQ8Weight | None = None  # [hidden, V] in 8 bits, for steps of few logit rows
 
     def embed_is_head(self) -> bool:
         """Whether the embedding is the output head's storage (tied: one copy)."""
@@ -301,9 +306,9 @@ def packable_int4(w: Weights) -> bool:
     return all(m.shape[0] % cpu_gemm.GROUP == 0 and m.shape[1] % PANEL == 0 for m in _matrices(w))
 
 
-def embed_tokens(embed: torch.Tensor | PackedF32Weight, token_ids: torch.Tensor) -> torch.Tensor:
-    """token_ids [T] -> [T, hidden]."""
-    if isinstance(embed, PackedF32Weight):  # the tied, packed output head [hidden, V]: its columns
+def embed_tokens(embed: torch.Tensor | PackedF32Weight | PackedQ8Weight, token_ids: torch.Tensor) -> torch.Tensor:
+    """token_ids [T] -> [T, hidden] (float32 from a packed head)."""
+    if isinstance(embed, (PackedF32Weight, PackedQ8Weight)):  # the tied, packed output head [hidden, V]: its columns
         return embed.columns(token_ids)
     return embed.index_select(0, token_ids)
 
@@ -314,15 +319,16 @@ FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o
 MakeInt4 = Callable[[int, str, torch.Tensor], Int4Weight | PackedInt4Weight]  # (layer, fused name, [in, out] matrix)
 
 
-def quantize_int4(w: Weights, make: MakeInt4 | None = None, head_dtype: str = "bfloat16", packed: bool = False
-                  ) -> Weights:
+def quantize_int4(w: Weights, make: MakeInt4 | None = None, head_dtype: str = "bfloat16", packed: bool = False,
+                  act_bits: int = 8) -> Weights:
     """The `int4` precision: 4-bit matmul weights (`make`: by default each float32 matrix quantized
-    on the Q4_1 grid), the output head in `head_dtype` (bfloat16 | int8), bf16 for the rest.
-    packed: the 4-bit matrices and the int8 head in specdec's kernel (cpu_gemm.PackedInt4Weight,
-    PackedInt8Weight: 8-bit activations on VNNI) instead of torch's (Int4Weight, Int8Weight)."""
+    on the Q4_1 grid), the output head in `head_dtype` (INT4_HEADS), bf16 for the rest.
+    packed: the 4-bit matrices and the 8-bit heads in specdec's kernel (cpu_gemm.PackedInt4Weight,
+    PackedInt8Weight, PackedQ8Weight: `act_bits`-bit activations on VNNI) instead of torch's
+    (Int4Weight, Int8Weight; q8_0 falls back to int8 there)."""
     if make is None:
-        kind = PackedInt4Weight if packed else Int4Weight
-        make = lambda _layer, _name, m: kind.quantize(m)  # noqa: E731
+        make = ((lambda _layer, _name, m: PackedInt4Weight.quantize(m, act_bits)) if packed else  # noqa: E731
+                (lambda _layer, _name, m: Int4Weight.quantize(m)))
     if head_dtype not in INT4_HEADS:
         raise ValueError(f"int4_head must be one of {', '.join(INT4_HEADS)}, got {head_dtype!r}")
     def bf16(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -341,10 +347,18 @@ def quantize_int4(w: Weights, make: MakeInt4 | None = None, head_dtype: str = "b
     # model ties them, it is also the embedding. An int8 copy (per vocabulary row) reads half the
     # bytes (1.8 ms against 4.3 for a row), the draft's top-1 agreement with the fp32 target
     # 98.0% -> 97.2% (BENCHMARKS.md §6f); bf16 stays faster from about 8 rows.
-    head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
     tied = w.embed_is_head()
+    if packed and head_dtype == "q8_0":
+        # the Q8_0 head is the only head (faster than bf16 at every row count), and a tied embedding
+        # reads its rows from it in float32: the shipped model's values, no bf16 rounding. So is the
+        # final norm, which feeds the head
+        q8 = PackedQ8Weight.quantize(w.lm_head, act_bits)
+        return Weights(embed=q8 if tied else bf16(w.embed).contiguous(), layers=layers,
+                       final_norm=w.final_norm.float(), lm_head=q8, cos=bf16(w.cos), sin=bf16(w.sin))
+    head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]
-    small_head = (PackedInt8Weight if packed else Int8Weight).quantize(w.lm_head) if head_dtype == "int8" else None
+    small_head = (None if head_dtype == "bfloat16" else Int8Weight.quantize(w.lm_head) if not packed else
+                  PackedInt8Weight.quantize(w.lm_head))
     return Weights(embed=embed, layers=layers, final_norm=bf16(w.final_norm), lm_head=head.t(),
                    cos=bf16(w.cos), sin=bf16(w.sin), small_head=small_head)
 
@@ -548,10 +562,10 @@ def run_step(weights: Weights, pool: KVPool, inputs: StepInputs, arch: Arch, sto
         x = fused.run(x.float(), inputs.positions, inputs.slots, row_sequences(inputs),
                       inputs.block_tables)  # [T, hidden] float32
     else:
-        x = decoder_layers(x, weights, pool, inputs, arch, stop, c_attention)  # [T, hidden]
+        x = decoder_layers(x.to(pool.k.dtype), weights, pool, inputs, arch, stop, c_attention)  # [T, hidden]
     h = x.index_select(0, inputs.logit_rows).to(weights.final_norm.dtype)  # [R, hidden]
     h = rms_norm(h, weights.final_norm, arch.eps)  # [R, hidden]
-    small = weights.small_head is not None and (isinstance(weights.small_head, PackedInt8Weight)
+    small = weights.small_head is not None and (isinstance(weights.small_head, PACKED_HEADS)
                                                 or h.shape[0] <= SMALL_HEAD_ROWS)
     return linear(h, weights.small_head if small else weights.lm_head)  # [R, V]
 
@@ -632,13 +646,14 @@ class PagedLlamaRunner:
     @classmethod
     def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
              block_size: int = 16, max_seqs: int = 64, memory_share_bytes: int = 0,
-             activation_reserve: float = 0.1, int4_head: str = "bfloat16", cpu_kernels: str = "specdec"
-             ) -> "PagedLlamaRunner":
+             activation_reserve: float = 0.1, int4_head: str = "bfloat16", cpu_kernels: str = "specdec",
+             int4_activations: int = 8) -> "PagedLlamaRunner":
         """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up),
         or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
         `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
         dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring), whose output
-        head is `int4_head` (bfloat16 | int8). cpu_kernels: on the CPU, float32 and int4 run in
+        head is `int4_head` (INT4_HEADS), and whose matmuls in specdec's kernels take
+        `int4_activations`-bit activations (8 | 16). cpu_kernels: on the CPU, float32 and int4 run in
         specdec's kernels ("specdec", where they build; module docstring) or torch's ("torch")."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
@@ -659,12 +674,13 @@ class PagedLlamaRunner:
         return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
                           num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4,
                           int4_make=stored_int4(src.directory, *stored) if stored else None, int4_head=int4_head,
-                          cpu_kernels=cpu_kernels)
+                          cpu_kernels=cpu_kernels, int4_activations=int4_activations)
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
                       block_size: int = 16, max_seqs: int = 64, int4: bool = False,
-                      int4_head: str = "bfloat16", cpu_kernels: str = "specdec") -> "PagedLlamaRunner":
+                      int4_head: str = "bfloat16", cpu_kernels: str = "specdec", int4_activations: int = 8
+                      ) -> "PagedLlamaRunner":
         """Build from a loaded HF model (left intact); without a tokenizer the fingerprint is vocab-V.
         int4: quantize a float32 model's matmul weights to 4 bits (module docstring); cpu_kernels as
         in `load`."""
@@ -672,14 +688,17 @@ class PagedLlamaRunner:
         fingerprint = models.tokenizer_fingerprint(tokenizer) if tokenizer is not None else f"vocab-{vocab}"
         eos = models.eos_token_ids(tokenizer, model.config) if tokenizer is not None else []
         return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=False, int4=int4,
-                          int4_head=int4_head, cpu_kernels=cpu_kernels)
+                          int4_head=int4_head, cpu_kernels=cpu_kernels, int4_activations=int4_activations)
 
     @classmethod
     def _build(cls, model, spec: str, fingerprint: str, eos: list[int], num_blocks: int, block_size: int,
                max_seqs: int, consume: bool, int4: bool = False, int4_make: MakeInt4 | None = None,
-               int4_head: str = "bfloat16", cpu_kernels: str = "specdec") -> "PagedLlamaRunner":
+               int4_head: str = "bfloat16", cpu_kernels: str = "specdec", int4_activations: int = 8
+               ) -> "PagedLlamaRunner":
         if cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
+        if int4_activations not in cpu_gemm.ACTIVATION_BITS:
+            raise ValueError(f"int4_activations must be one of {cpu_gemm.ACTIVATION_BITS}, got {int4_activations!r}")
         if not supports(model.config):
             raise ValueError(f"PagedLlamaRunner does not support model_type={model.config.model_type!r} "
                              f"(rope {hf_compat.rope_type(model.config)!r}); use the transformers runner")
@@ -697,7 +716,8 @@ class PagedLlamaRunner:
                 if dtype != torch.float32:
                     raise ValueError(f"int4 quantizes a float32 model, got {dtype}")
                 packed = ours and packable_int4(weights) and cpu_gemm.lowbit() is not None
-                weights, dtype = quantize_int4(weights, head_dtype=int4_head, packed=packed), torch.bfloat16
+                weights, dtype = (quantize_int4(weights, head_dtype=int4_head, packed=packed, act_bits=int4_activations),
+                                  torch.bfloat16)
             elif ours and packable_f32(weights) and cpu_gemm.skinny() is not None:
                 weights = pack_f32(weights)
             pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block

@@ -29,6 +29,7 @@ typedef struct {
     const float *cos, *sin; /* [max_context, D] float32 */
     long block_size;
     int cache_bf16;
+    int xbits; /* the 4-bit matmuls' activations: 8 or 16 bits (int4_gemm.c) */
 } fused_model;
 
 static long align64(long n) { return (n + 63) & ~63L; }
@@ -97,7 +98,8 @@ int fused_layers(const fused_model *m, const fused_layer *layers, float *x, long
 {
     const long H = m->hidden, hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim, I = m->intermediate;
     const long nqkv = (hq + 2 * hkv) * d, f = sizeof(float);
-    if (H % 32 || (hq * d) % 32 || I % 32 || d % 16 || d > MAXD || hq % hkv || hq / hkv > MAXG)
+    if (H % 32 || (hq * d) % 32 || I % 32 || d % 16 || d > MAXD || hq % hkv || hq / hkv > MAXG ||
+        !pick(W_Q4_1, m->xbits, 1))
         return -1;
     char *p = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *h = (float *)p; p += align64(T * H * f);
@@ -111,7 +113,7 @@ int fused_layers(const fused_model *m, const fused_layer *layers, float *x, long
     for (long l = 0; l < m->num_layers; l++) {
         const fused_layer *L = layers + l;
         rms_norm_rows(x, L->input_norm, T, H, m->eps, h);
-        lowbit_gemm(4, h, 0, T, H, L->qkv_codes, L->qkv_scales, nqkv, qkv, 0, lb);
+        lowbit_gemm(W_Q4_1, m->xbits, h, 0, T, H, L->qkv_codes, L->qkv_scales, nqkv, qkv, 0, lb);
         for (long t = 0; t < T; t++) {
             float *row = qkv + t * nqkv;
             const float *c = m->cos + pos[t] * d, *s = m->sin + pos[t] * d;
@@ -125,10 +127,10 @@ int fused_layers(const fused_model *m, const fused_layer *layers, float *x, long
         if (paged_attention(qkv, nqkv, 0, L->k_cache, L->v_cache, m->cache_bf16, block_tables, mb, m->block_size,
                             seq, pos, T, hq, hkv, d, L->window, m->scale, attn, 0, as))
             return -1;
-        lowbit_gemm(4, attn, 0, T, hq * d, L->o_codes, L->o_scales, H, tmp, 0, lb);
+        lowbit_gemm(W_Q4_1, m->xbits, attn, 0, T, hq * d, L->o_codes, L->o_scales, H, tmp, 0, lb);
         add_rows(x, tmp, T * H);
         rms_norm_rows(x, L->post_norm, T, H, m->eps, h);
-        lowbit_gemm(4, h, 0, T, H, L->gate_up_codes, L->gate_up_scales, 2 * I, gu, 0, lb);
+        lowbit_gemm(W_Q4_1, m->xbits, h, 0, T, H, L->gate_up_codes, L->gate_up_scales, 2 * I, gu, 0, lb);
         for (long t = 0; t < T; t++)
             for (long i = 0; i < I; i += 16) {
                 const __m512 g = _mm512_loadu_ps(gu + t * 2 * I + i), u = _mm512_loadu_ps(gu + t * 2 * I + I + i);
@@ -136,7 +138,7 @@ int fused_layers(const fused_model *m, const fused_layer *layers, float *x, long
                 _mm512_storeu_ps(act + t * I + i,
                                  _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u));
             }
-        lowbit_gemm(4, act, 0, T, I, L->down_codes, L->down_scales, H, tmp, 0, lb);
+        lowbit_gemm(W_Q4_1, m->xbits, act, 0, T, I, L->down_codes, L->down_scales, H, tmp, 0, lb);
         add_rows(x, tmp, T * H);
     }
     return 0;
