@@ -34,13 +34,15 @@ hold more tokens than the pool has slots.
 
 Precision `int4` (CPU): the decoder layers' matmul weights (QKV, O, gate/up, down) are
 4-bit `Int4Weight`s (specdec.serving.int4); the output head bf16, and with `int4_head = "int8"`
-(the draft's default) also an 8-bit copy (`Int8Weight`) for steps of at most SMALL_HEAD_ROWS
-logit rows, where reading half the bytes wins; everything else (embedding, norms, RoPE tables,
-activations, the KV pool) bf16. It is for drafts: a token costs a third of fp32. With
-`cpu_kernels = "specdec"` (the default) on AVX-512 VNNI the 4-bit matrices and the int8 head are
-specdec's (`PackedInt4Weight`, `PackedInt8Weight`: int8 activations; the int8 head then serves
-every step), and steps of at most FUSED_ROWS tokens run every decoder layer in one C call
-(`fuse_int4`: float32 activations, attention straight from the pool) for a Llama layer without
+also an 8-bit copy (`Int8Weight`) for steps of at most SMALL_HEAD_ROWS logit rows, where
+reading half the bytes wins; everything else (embedding, norms, RoPE tables, activations, the
+KV pool) bf16. It is for drafts: a token costs a third of fp32. With `cpu_kernels = "specdec"`
+(the default) on AVX-512 VNNI the 4-bit matrices and the 8-bit head are specdec's
+(`PackedInt4Weight`, `PackedInt8Weight`, or with `int4_head = "q8_0"`, the draft's default,
+`PackedQ8Weight`: GGUF's Q8_0 blocks, also the tied embedding in float32; activations rounded
+to `int4_activations` bits, 16 for the draft; the 8-bit head serves every step), and steps of
+at most FUSED_ROWS tokens run every decoder layer in one C call (`fuse_int4`: float32
+activations between the matmuls, attention straight from the pool) for a Llama layer without
 biases or q/k norms.
 
 Precision float32 on the CPU with `cpu_kernels = "specdec"` (the default): every matmul weight
