@@ -356,7 +356,9 @@ def quantize_int4(w: Weights, make: MakeInt4 | None = None, head_dtype: str = "b
         # final norm, which feeds the head
         q8 = PackedQ8Weight.quantize(w.lm_head, act_bits)
         return Weights(embed=q8 if tied else bf16(w.embed).contiguous(), layers=layers,
-                       final_norm=w.final_norm.float(), lm_head=q8, cos=bf16(w.cos), sin=bf16(w.sin))
+                       # a copy: the loaded model's tensor may share one storage with all its weights
+                       final_norm=w.final_norm.detach().float().clone(), lm_head=q8, cos=bf16(w.cos),
+                       sin=bf16(w.sin))
     head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]
     small_head = (None if head_dtype == "bfloat16" else Int8Weight.quantize(w.lm_head) if not packed else
