@@ -382,6 +382,8 @@ def test_int8_head_is_within_half_a_level_and_serves_the_small_steps(cpu_kernels
             torch.testing.assert_close(got[1], got[0], atol=0, rtol=0)
     with pytest.raises(ValueError, match="int4_head"):
         PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True, int4_head="int2")
+    with pytest.raises(ValueError, match="int4_activations"):
+        PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True, int4_activations=12)
 
 
 # ------------------------------------------------------------------------------------

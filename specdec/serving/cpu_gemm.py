@@ -4,9 +4,11 @@
   tokens is a matmul of a few rows against every weight of the target; torch's fp32 matmul (MKL)
   is tuned for big matrices: on the AMD EPYC VM measured, the default target's decoder matrices
   cost 46.8 ms for 9 rows and 17.4 for one, where this kernel costs 20.6 and 12.4.
-- `PackedInt4Weight`, `PackedInt8Weight` (csrc/int4_gemm.c, AVX-512 VNNI): the int4 precision's
-  4-bit layers and int8 output head against int8 activations: 7.5 ms against torch's int4 13.8
-  for 9 rows, and the head 0.83 ms against 1.82 for one row.
+- `PackedInt4Weight`, `PackedInt8Weight`, `PackedQ8Weight` (csrc/int4_gemm.c, AVX-512 VNNI): the
+  int4 precision's 4-bit layers and 8-bit output head (one scale per row, or GGUF's Q8_0 blocks)
+  against int8 activations: 7.5 ms against torch's int4 13.8 for 9 rows, and the int8 head 0.83
+  ms against 1.82 for one row; or against 16-bit activations, where a draft of the target's
+  own weights agrees with it (BENCHMARKS.md §6q).
 - `FusedInt4Layers` (csrc/fused_int4.c, AVX-512 VNNI): the int4 draft's decoder layers in one
   call for small steps, with `paged_attention` (csrc/paged_attention.c): each row's attention
   over its own sequence's keys in the paged pool, no gather, no mask. The same kernel, called
