@@ -50,7 +50,7 @@ sc = (W.abs().amax(0, keepdim=True) / 127)
 WROWQ = (torch.round(W / sc).clamp(-127, 127) * sc.bfloat16().float())
 for lw in w.layers:
     for nm in ("qkv", "o", "gate_up", "down"): kind[id(getattr(lw, nm))] = nm
-draft = load(VARIANTS["torch-int4"], models.DEFAULT_DRAFT_MODEL, 2)
+draft = load(VARIANTS["torch-int4-x8"], models.DEFAULT_DRAFT_MODEL, 2)  # the 8-bit draft of §6p
 print("cpu_kernels", getattr(target, "c_attention", None), type(w.lm_head), file=sys.stderr)
 
 def argmax_per_position(runner, ids):
@@ -68,7 +68,7 @@ H = {"*": 32767}
 variants = {"int8 all": (A, A, False), "int8 all, head rowq": (A, A, True), "int16 all": (H, H, False),
  "int16 body, head int8": (H, A, False), "int16 qkv+down, head int16": ({"*": 127, "qkv": 32767, "down": 32767}, H, False),
  "int16 all, head rowq": (H, H, True)}
-agree = dict.fromkeys(list(variants) + ["draft(int4 default)"], 0); n = 0
+agree = dict.fromkeys(list(variants) + ["draft (int4, 8-bit activations, int8 head)"], 0); n = 0
 for p in mixed_workload(N, 0):
     ids = hf_compat.chat_token_ids(tok, p.messages)[:400]
     MODE.update(body=None, head=None, rowq=False)
@@ -77,7 +77,7 @@ for p in mixed_workload(N, 0):
         MODE.update(body=b, head=h, rowq=r)
         agree[name] += int((argmax_per_position(target, ids) == ref).sum())
     MODE.update(body=None, head=None, rowq=False)
-    agree["draft(int4 default)"] += int((argmax_per_position(draft, ids) == ref).sum())
+    agree["draft (int4, 8-bit activations, int8 head)"] += int((argmax_per_position(draft, ids) == ref).sum())
     n += len(ids)
     print(n, {k: round(v / n, 4) for k, v in agree.items()}, file=sys.stderr, flush=True)
 print(json.dumps({"positions": n, "agreement": {k: round(v / n, 4) for k, v in agree.items()}}))

@@ -40,6 +40,18 @@ python scripts/single_stream_probe.py "$out/single-stream-6p" --reps 2 --tokens 
   > docs/bench/single-stream-2026-12-06.json
 specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 \
   --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-final"
+# 6q. the 16-bit draft: where the 8-bit draft's disagreement came from (a simulation, ~5 min), the real
+#     kernels' agreement and steps (~2 min), single stream (~6 min), the decode rate against llama.cpp's
+#     example (~6 min), the two drafts under 8 clients (~8 min), TTFT on 200+ token prompts (~1 min)
+python scripts/activation_rounding_sim.py 12 > docs/bench/activation-rounding-sim.json
+python scripts/draft_agreement_probe.py --prompts 8 --variants torch-int4-x8,torch-int4-x16 \
+  > docs/bench/draft-agreement-x16.json
+python scripts/single_stream_probe.py "$out/single-stream-6q" --reps 1 --configs x8,x16,x16-k12,x16-k16,x16-adaptive \
+  > docs/bench/single-stream-x16.json
+specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 \
+  --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-x16"
+python scripts/draft_load_probe.py "$out/draft-load" --clients 1,8 --reps 2 --configs x8,x16 > docs/bench/draft-load-x16.json
+PYTHONPATH=. python scripts/ttft_probe.py "$out/ttft" > docs/bench/ttft-2026-12-06-x16.json
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt
@@ -69,4 +81,5 @@ cp "$out/decode-sequential-2cores/compare.md" docs/bench/decode-vs-llamacpp-sequ
 cp "$out/load/load.md" docs/bench/load.md
 cp "$out/load/concurrency.png" docs/bench/concurrency.png
 cp "$out/decode-final/compare.md" docs/bench/decode-vs-llamacpp-2026-12-06.md
+cp "$out/decode-x16/compare.md" docs/bench/decode-vs-llamacpp-2026-12-06-x16.md
 echo "bench_all: results in $out/, quoted copies in docs/bench/"
