@@ -13,9 +13,8 @@ import sys, json
 sys.path.insert(0, ".")
 import torch
 from specdec import hf_compat, models
-from specdec.lab.steps import VARIANTS, load
+from specdec.lab.steps import VARIANTS, argmax_per_position, load
 from specdec.lab.workloads import mixed_workload
-from specdec.serving.batch import SeqChunk
 from specdec.serving import paged_llama as pl
 torch.set_num_threads(2)
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 8
@@ -53,14 +52,6 @@ for lw in w.layers:
 draft = load(VARIANTS["torch-int4-x8"], models.DEFAULT_DRAFT_MODEL, 2)  # the 8-bit draft of §6p
 print("cpu_kernels", getattr(target, "c_attention", None), type(w.lm_head), file=sys.stderr)
 
-def argmax_per_position(runner, ids):
-    s = runner.blocks.reserve(len(ids) + 8)
-    out = []
-    for i in range(0, len(ids), 4):
-        chunk = ids[i:i + 4]
-        out.append(runner.forward([SeqChunk(s, chunk, i, len(chunk))])[0].float().argmax(-1))
-    runner.free(s)
-    return torch.cat(out)
 
 tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))
 A = {"*": 127}

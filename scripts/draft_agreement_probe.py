@@ -16,9 +16,8 @@ sys.path.insert(0, ".")
 import torch  # noqa: E402
 
 from specdec import hf_compat, models  # noqa: E402
-from specdec.lab.steps import VARIANTS, load, time_shape  # noqa: E402
+from specdec.lab.steps import VARIANTS, argmax_per_position, load, time_shape  # noqa: E402
 from specdec.lab.workloads import mixed_workload  # noqa: E402
-from specdec.serving.batch import SeqChunk  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--prompts", type=int, default=8)
@@ -27,12 +26,6 @@ a = ap.parse_args()
 torch.set_num_threads(1)
 
 
-def argmax_per_position(runner, ids: list[int]) -> torch.Tensor:
-    s = runner.blocks.reserve(len(ids) + 8)
-    out = [runner.forward([SeqChunk(s, ids[i:i + 4], i, len(ids[i:i + 4]))])[0].float().argmax(-1)
-           for i in range(0, len(ids), 4)]
-    runner.free(s)
-    return torch.cat(out)
 
 
 target = load(VARIANTS["torch-fp32"], models.DEFAULT_TARGET_MODEL, 2)

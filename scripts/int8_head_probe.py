@@ -4,7 +4,7 @@
 
 1. One head matmul (49,152 x 576, one thread, the layouts the paged runner keeps: bf16 [V, hidden]
    through a transposed view, int8 codes [V, hidden] with a scale per row), median ms per row count.
-2. Top-1 agreement with the fp32 target: the default draft (paged runner, dtype int4) with each
+2. Top-1 agreement with the fp32 target: the int4 draft with 8-bit activations (the default before §6q) with each
    head, over every position of 8 seed-0 ShareGPT/HumanEval prompts (up to 400 tokens each),
    against the fp32 target's argmax at the same positions; the int8 head also in torch's kernels
    (cpu_kernels = torch: bf16 activations), against specdec's (the default: int8 activations).
@@ -18,9 +18,8 @@ sys.path.insert(0, ".")
 import torch  # noqa: E402
 
 from specdec import hf_compat, models  # noqa: E402
-from specdec.lab.steps import VARIANTS, load, median_ms  # noqa: E402
+from specdec.lab.steps import VARIANTS, argmax_per_position, load, median_ms  # noqa: E402
 from specdec.lab.workloads import mixed_workload  # noqa: E402
-from specdec.serving.batch import SeqChunk  # noqa: E402
 from specdec.serving.int4 import Int8Weight  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -38,22 +37,12 @@ for rows in (1, 2, 4, 6, 8, 16):
     matmul_ms[rows] = {"int8": median_ms(lambda: int8.matmul(x)), "bf16": median_ms(lambda: torch.matmul(x, bf16))}
 
 target = load(VARIANTS["torch-fp32"], models.DEFAULT_TARGET_MODEL, 2)
-drafts = {"int8": load(VARIANTS["torch-int4"], models.DEFAULT_DRAFT_MODEL, 2),
+drafts = {"int8": load(VARIANTS["torch-int4-x8"], models.DEFAULT_DRAFT_MODEL, 2),
           "bf16": load(VARIANTS["torch-int4-bf16-head"], models.DEFAULT_DRAFT_MODEL, 2),
           # the int8 head in torch's kernels (bf16 activations) rather than specdec's (int8 activations)
           "int8, cpu_kernels=torch": load(VARIANTS["torch-int4-torch"], models.DEFAULT_DRAFT_MODEL, 2)}
 
 
-def argmax_per_position(runner, ids: list[int]) -> torch.Tensor:
-    """[len(ids)] argmax after each position, fed 4 tokens a step with logits for all 4 (the
-    int8 copy serves steps of at most SMALL_HEAD_ROWS = 4 logit rows, so it is the head measured)."""
-    s = runner.blocks.reserve(len(ids) + 8)
-    out = []
-    for i in range(0, len(ids), 4):
-        chunk = ids[i:i + 4]
-        out.append(runner.forward([SeqChunk(s, chunk, i, len(chunk))])[0].float().argmax(-1))
-    runner.free(s)
-    return torch.cat(out)
 
 
 tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))

@@ -308,14 +308,9 @@ def test_the_default_draft_agrees_with_the_fp32_target_on_the_shipped_model():
     hundred (BENCHMARKS §6q: 862 of 862 against 96.5%)."""
     from specdec import hf_compat, models
     from specdec.config import DraftConfig, TargetConfig
+    from specdec.lab.steps import argmax_per_position
     from specdec.lab.workloads import mixed_workload
-    from specdec.serving.batch import SeqChunk
     from specdec.serving.runners import load_runner
-
-    def argmax_per_position(runner, ids):
-        s = runner.blocks.reserve(len(ids) + 4)
-        return torch.cat([runner.forward([SeqChunk(s, ids[i:i + 4], i, len(ids[i:i + 4]))])[0].float().argmax(-1)
-                          for i in range(0, len(ids), 4)])
 
     def runner(cfg):
         cfg.kv_pool_tokens, cfg.max_sessions = 512, 2

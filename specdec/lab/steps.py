@@ -68,6 +68,21 @@ def load(v: Variant, model: str, seqs: int):
     return load_runner(cfg, "cpu")
 
 
+def argmax_per_position(runner, ids: list[int], step: int = 4):
+    """[len(ids)] the runner's argmax after each position of `ids` (a fresh sequence, fed `step`
+    tokens a step with logits for all of them): what a draft would propose there, to compare
+    with a target's (the agreement probes, BENCHMARKS §6f, §6q)."""
+    import torch
+
+    from specdec.serving.batch import SeqChunk
+
+    s = runner.blocks.reserve(len(ids) + step)
+    out = [runner.forward([SeqChunk(s, ids[i:i + step], i, len(ids[i:i + step]))])[0].float().argmax(-1)
+           for i in range(0, len(ids), step)]
+    runner.free(s)
+    return torch.cat(out)
+
+
 def time_shape(runner, batch: int, n: int, runs: int) -> float:
     """Median ms of one forward of `batch` sequences x `n` new tokens after CONTEXT cached tokens."""
     from specdec.serving.batch import SeqChunk
