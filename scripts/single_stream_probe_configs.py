@@ -25,4 +25,9 @@ CONFIGS = {  # name -> (section, field, value) overrides of the embedded default
     "x16-k16": [("draft", "int4_head", "q8_0"), ("draft", "int4_activations", 16), ("orchestrator", "default_k", 16)],
     "x16-adaptive": [("draft", "int4_head", "q8_0"), ("draft", "int4_activations", 16), ("orchestrator", "default_k", 16),
                      ("orchestrator", "adaptive_k", True)],
+    # the orchestrator pinned to the target's core (0) or the draft's (1); unpinned by default
+    "orch0": [("orchestrator", "cpu_cores", "0")],
+    "orch1": [("orchestrator", "cpu_cores", "1")],
+    # the draft idles between speculations (as before drafting ahead)
+    "no-ahead": [("draft", "look_ahead", False)],
 }

@@ -97,6 +97,9 @@ class DraftConfig(ModelServiceConfig):
     int4_activations: int = 16
     model: str = DEFAULT_DRAFT_MODEL
     cpu_cores: str = "1"
+    # after a whole speculation of a greedy session, draft past it while the draft has no other
+    # session, so that the next speculation starts with tokens already drafted (draft_service/engine.py)
+    look_ahead: bool = True
     admission_wait_s: float = 0.0  # a full draft does not queue: the request runs target-only
     max_support: int = 64  # cap on the sparse draft distribution per token
     ngram_max: int = 4
