@@ -14,16 +14,6 @@ brought up to date and nothing is drafted, so that the next propose has little t
 `cut` makes the propose in flight finish
 after its current draft step, with the tokens drafted so far (the session holds just those):
 the orchestrator cuts a speculation that a rejection has made useless.
-
-Drafting ahead (`DraftConfig.look_ahead`): when a speculation (a propose with `guess_first`) of
-a greedy session finishes whole and the session is the draft's only one, the model thread goes
-on drafting past it, up to as many tokens again, instead of idling until the orchestrator asks
-for the next speculation (a pipelined round otherwise leaves the draft idle for the reply's and
-the next request's trip, about 1.7 ms of a 50 ms round here). The next propose that keeps
-everything and appends nothing (a hit) starts with those tokens; any other throws them away.
-Greedy drafts are the most likely tokens, so they are the ones that propose would have drafted.
-While tokens are drafted ahead, a propose is set up in the model thread between steps
-(`_take_over`), the only thread that touches the session then.
 """
 from __future__ import annotations
 
@@ -63,13 +53,6 @@ class _Session:
     cached: int = 0  # tokens[:cached] are in the cache
     last_logits: torch.Tensor | None = None  # [V] the prediction after tokens[:cached], when known
     proposing: "_Propose | None" = None  # the session's latest propose (done or not)
-    # drafting ahead: the job (running or done) whose tokens end `tokens`, unreported; only the model
-    # thread changes it while it is set
-    ahead: "_Propose | None" = None
-
-    @property
-    def ahead_tokens(self) -> int:
-        return len(self.ahead.drafted) if self.ahead is not None else 0
 
 
 def check_open(facts: ModelFacts, prompt_ids: list[int], sampling: SamplingParams, target_fingerprint: str,
@@ -112,22 +95,16 @@ class _Prefill(Job):
 
 class _Propose(Job):
     """Feed what the cache lacks, then sample k tokens, feeding each but the last (the first is the
-    most likely token when guess_first). With k = 0, only the feed: a catch-up. `drafted`: tokens
-    drafted ahead that count as this propose's first ones (they end s.tokens already).
-    `on_whole(job)`: called (model thread) when a speculation finishes whole, before its result."""
+    most likely token when guess_first). With k = 0, only the feed: a catch-up."""
 
-    def __init__(self, s: _Session, k: int, generator: torch.Generator | None, guess_first: bool = False,
-                 drafted: tuple[list[int], list[SparseDist]] = ([], []), on_whole=None):
+    def __init__(self, s: _Session, k: int, generator: torch.Generator, guess_first: bool = False):
         feed = s.tokens[s.cached:]
         super().__init__(s.seq, s.cached, feed, 1 if feed else 0)
         self.s, self.k, self.generator, self.guess_first = s, k, generator, guess_first
-        self.drafted: list[int] = list(drafted[0])
-        self.dists: list[SparseDist] = list(drafted[1])
-        self.on_whole = on_whole
+        self.drafted: list[int] = []
+        self.dists: list[SparseDist] = []
         self.cut = False  # set by DraftEngine.cut (event loop), read after each draft step (model thread)
-        if len(self.drafted) >= k > 0:  # drafted ahead already
-            self._end()
-        elif not feed:  # the cache is up to date: the first token comes from the logits the session has
+        if not feed:  # the cache is up to date: the first token comes from the logits the session has
             self.sample(s.last_logits)
 
     @property
@@ -149,14 +126,9 @@ class _Propose(Job):
         self.drafted.append(tok)
         self.dists.append((ids.tolist(), q.tolist()))
         if len(self.drafted) == self.k or self.cut:
-            self._end()
+            self.finish(Proposal(self.drafted, self.dists, self.elapsed_ms()))
         else:
             self._feed(self.start, [tok], 1)
-
-    def _end(self) -> None:
-        if self.on_whole is not None and self.guess_first and not self.cut:
-            self.on_whole(self)  # before the result: the next propose finds the session drafting ahead
-        self.finish(Proposal(self.drafted, self.dists, self.elapsed_ms()))
 
 
 class DraftEngine(PooledEngine[_Session]):
@@ -187,18 +159,8 @@ class DraftEngine(PooledEngine[_Session]):
                 guess_first: bool = False) -> Future:
         """-> Future[Proposal]."""
         s = self._get(session_id)
-        if s.ahead is not None:  # the model thread is (or was) drafting ahead: set up there, between steps
-            out: Future = Future()
-            self.loop.call(self._take_over, session_id, s, keep, append, k, seed, guess_first, out)
-            return out
-        return self._setup(s, keep, append, k, seed, guess_first)
-
-    def _setup(self, s: _Session, keep: int, append: list[int], k: int, seed: int, guess_first: bool,
-               drafted: tuple[list[int], list[SparseDist]] = ([], [])) -> Future:
-        """Keep `keep` tokens, append `append`, submit the job that drafts k (the first of them
-        `drafted`, which end the kept tokens). With no job running for the session."""
-        check_propose(len(s.tokens) - len(drafted[0]), keep - len(drafted[0]), append, k, self.facts.vocab_size)
-        if keep + len(append) + k - len(drafted[0]) > s.reserved:
+        check_propose(len(s.tokens), keep, append, k, self.facts.vocab_size)
+        if keep + len(append) + k > s.reserved:
             raise InvalidArgument(f"the draft session is full ({s.reserved} tokens)")
         del s.tokens[keep:]
         s.tokens.extend(append)
@@ -211,42 +173,8 @@ class DraftEngine(PooledEngine[_Session]):
             self.loop.call(self.runner.truncate, s.seq, s.cached)  # in the model thread, before the job
         if k == 0 and s.cached == len(s.tokens):  # a catch-up with nothing to feed
             return _done(Proposal([], [], 0.0))
-        job = s.proposing = _Propose(s, k, make_generator(seed), guess_first, drafted,
-                                     self._look_ahead if self.config.look_ahead else None)
+        job = s.proposing = _Propose(s, k, make_generator(seed), guess_first)
         return job.future if job.done else self.loop.submit(job)
-
-    def _look_ahead(self, spec: _Propose) -> None:
-        """(model thread) A speculation finished whole: draft as many tokens past it while nothing
-        else needs the draft (a greedy session, the draft's only one; within what it reserved)."""
-        s = spec.s
-        n = min(spec.k, s.reserved - len(s.tokens))
-        if not s.sampling.greedy or len(self._sessions) != 1 or n <= 0:
-            return
-        s.ahead = _Propose(s, n, None)
-        self.loop.submit(s.ahead)
-
-    def _take_over(self, session_id: str, s: _Session, keep: int, append: list[int], k: int, seed: int, guess_first: bool,
-                   out: Future) -> None:
-        """(model thread, between steps) A propose while drafting ahead: stop it; when the propose keeps
-        everything reported and appends nothing, its first tokens are the ones drafted ahead."""
-        ahead, s.ahead = s.ahead, None
-        if ahead in self.loop.scheduler.waiting:  # stopped between its steps: the session is as after a step
-            self.loop.scheduler.waiting.remove(ahead)
-        ahead.finish(None)
-        reported = len(s.tokens) - len(ahead.drafted)
-        take = min(k, len(ahead.drafted)) if keep == reported and not append else 0
-        try:
-            if self._sessions.get(session_id) is not s:  # closed meanwhile (its sequence may be freed)
-                raise NotFound(f"no draft session {session_id!r}")
-            del s.tokens[reported + take:]  # drafted ahead and not taken: gone (the propose truncates the cache)
-            if s.cached > len(s.tokens):
-                s.cached, s.last_logits = len(s.tokens), None
-                self.runner.truncate(s.seq, s.cached)
-            job = self._setup(s, keep + take, append, k, seed, guess_first, (ahead.drafted[:take], ahead.dists[:take]))
-        except Exception as e:  # noqa: BLE001 - the caller's error, through its future
-            out.set_exception(e)
-            return
-        _chain(job, out)
 
     def cut(self, session_id: str) -> None:
         """Finish the session's propose in flight after its current draft step, with what it has
@@ -322,16 +250,6 @@ class NgramDraftEngine:
         if toks is None:
             raise NotFound(f"no draft session {session_id!r}")
         return toks
-
-
-def _chain(source: Future, target: Future) -> None:
-    """target gets source's result or error when it has one."""
-    def copy(f: Future) -> None:
-        if f.exception() is not None:
-            target.set_exception(f.exception())
-        else:
-            target.set_result(f.result())
-    source.add_done_callback(copy)
 
 
 def _done(result) -> Future:

@@ -52,6 +52,9 @@ specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --
   --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-x16"
 python scripts/draft_load_probe.py "$out/draft-load" --clients 1,8 --reps 2 --configs x8,x16 > docs/bench/draft-load-x16.json
 PYTHONPATH=. python scripts/ttft_probe.py "$out/ttft" > docs/bench/ttft-2026-12-06-x16.json
+# 6r. where a pipelined round's time goes (~1 min each; twice)
+python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-1.json
+python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-2.json
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt

@@ -28,6 +28,4 @@ CONFIGS = {  # name -> (section, field, value) overrides of the embedded default
     # the orchestrator pinned to the target's core (0) or the draft's (1); unpinned by default
     "orch0": [("orchestrator", "cpu_cores", "0")],
     "orch1": [("orchestrator", "cpu_cores", "1")],
-    # the draft idles between speculations (as before drafting ahead)
-    "no-ahead": [("draft", "look_ahead", False)],
 }

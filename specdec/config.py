@@ -57,9 +57,6 @@ class ModelServiceConfig(ServiceConfig):
     # built | torch = torch's matmuls (MKL, torch's int4 kernel). README "Choosing the defaults"
     cpu_kernels: str = "specdec"
     kv_pool_tokens: int = 16384  # the KV pool, allocated at startup: tokens over all sessions
-    # the niceness of the model thread (the one that runs the forwards): above 0, this service's gRPC
-    # threads, and the orchestrator on the same core, preempt it at once when they wake
-    model_thread_nice: int = 5
     block_size: int = 16  # tokens per KV block
     max_step_tokens: int = 512  # tokens in one forward, all sessions together
     max_prefill_tokens: int = 128  # prompt tokens per step (longer prompts are prefilled in chunks)
@@ -100,9 +97,6 @@ class DraftConfig(ModelServiceConfig):
     int4_activations: int = 16
     model: str = DEFAULT_DRAFT_MODEL
     cpu_cores: str = "1"
-    # after a whole speculation of a greedy session, draft past it while the draft has no other
-    # session, so that the next speculation starts with tokens already drafted (draft_service/engine.py)
-    look_ahead: bool = False
     admission_wait_s: float = 0.0  # a full draft does not queue: the request runs target-only
     max_support: int = 64  # cap on the sparse draft distribution per token
     ngram_max: int = 4

@@ -300,37 +300,6 @@ def test_the_int4_runner_runs_small_steps_in_the_fused_kernel(head, bits):
 
 
 @needs_vnni
-def test_a_rescored_head_is_the_stored_head_where_it_matters():
-    """RescoredHead: its top candidates carry the stored head's float32 logits (the most likely
-    token is the stored head's), the other entries the 4-bit copy's; rows are independent; a
-    runner with int4_head = q8_0-rescored keeps the Q8_0 head as its tied embedding."""
-    from specdec.serving.cpu_gemm import RescoredHead
-    from specdec.serving.paged_llama import PagedLlamaRunner
-    from tests.test_paged_llama import tiny_model
-
-    torch.manual_seed(5)
-    k, n = 128, 512
-    w = torch.randn(k, n)  # [in, out]
-    head = RescoredHead.of(PackedQ8Weight.quantize(w, 16), candidates=8)
-    exact = head.exact.dense()  # [in, out]
-    x = torch.randn(12, k)  # [T, in]
-    got = head.matmul(x)  # [T, out]
-    want = x.double().matmul(exact.double())  # [T, out]
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    top = head.coarse.matmul(x).topk(8, dim=-1).indices  # [T, 8]
-    torch.testing.assert_close(got.gather(1, top).double(), want.gather(1, top), rtol=1e-5, atol=1e-4)
-    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
-    assert torch.equal(got[rest], head.coarse.matmul(x)[rest])
-    assert not torch.equal(got, head.coarse.matmul(x))
-    assert torch.equal(torch.cat([head.matmul(x[i:i + 1]) for i in range(12)]), got)
-    model = tiny_model("llama")
-    r = PagedLlamaRunner.from_hf_model(model, num_blocks=8, block_size=4, int4=True,
-                                       int4_head="q8_0-rescored", int4_activations=16)
-    assert isinstance(r.weights.lm_head, RescoredHead)
-    assert r.weights.embed is r.weights.lm_head.exact or not model.config.tie_word_embeddings
-
-
-@needs_vnni
 @pytest.mark.slow
 def test_the_default_draft_agrees_with_the_fp32_target_on_the_shipped_model():
     """The draft service's int4 runner (DraftConfig's defaults: the shipped Q4_1 codes and Q8_0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
@@ -219,94 +218,4 @@ def test_close_at_any_moment_frees_the_session(model, close_at):
         asyncio.run(e.open("t", [1, 2], SamplingParams(), e.facts.fingerprint, 64))  # the slot is free again
     finally:
         runner.gate.set()
-        e.stop()
-
-
-# -- drafting ahead (DraftConfig.look_ahead) ---------------------------------------------------------
-
-def _ahead_by_then(engine, sid: str, when: str) -> None:
-    """Hold the model thread between steps once the session has drafted ahead: nothing yet ("none"),
-    at least one token ("some"), or all it drafts ahead ("all")."""
-    s = engine._sessions[sid]
-    deadline = time.monotonic() + 10
-    while when != "none" and not (s.ahead is not None and (s.ahead.done if when == "all" else s.ahead.drafted)):
-        assert time.monotonic() < deadline, "the draft did not draft ahead"
-        time.sleep(0.001)
-
-
-@pytest.mark.parametrize("when", ["none", "some", "all"])
-@pytest.mark.parametrize("k", [2, 6])
-def test_a_hit_starts_with_the_tokens_drafted_ahead_and_drafts_what_a_fresh_session_would(engine, when, k):
-    prompt = [1, 5, 9, 13, 2]
-    open_session(engine, "s", prompt)
-    spec = engine.propose("s", len(prompt), [], 4, 0, True).result(10).token_ids  # a speculation
-    _ahead_by_then(engine, "s", when)
-    gate = threading.Event()
-    engine.loop.call(gate.wait)  # the propose arrives between two steps of the drafting ahead
-    s = engine._sessions["s"]
-    assert s.ahead is not None
-    future = engine.propose("s", len(prompt) + 4, [], k, 0, True)  # keeps all, appends nothing: a hit
-    gate.set()
-    held = prompt + spec
-    assert future.result(10).token_ids == fresh(engine, held, k)
-    # it drafted ahead again after that speculation; a hit that asks for no more than is ready takes no step
-    _ahead_by_then(engine, "s", "all")
-    engine.loop.call(lambda: None).result(10)  # past the step that finished it
-    steps = engine.loop.steps
-    again = engine.propose("s", len(held) + k, [], 2, 0).result(10)
-    assert engine.loop.steps == steps and again.draft_ms < 5
-    assert again.token_ids == fresh(engine, held + future.result().token_ids, 2)
-    engine.close("s")
-
-
-@pytest.mark.parametrize("when", ["none", "some", "all"])
-def test_a_miss_throws_the_tokens_drafted_ahead_away(engine, when):
-    prompt = [1, 5, 9, 13, 2]
-    open_session(engine, "s", prompt)
-    spec = engine.propose("s", len(prompt), [], 4, 0, True).result(10).token_ids
-    _ahead_by_then(engine, "s", when)
-    correction = (spec[2] + 1) % 64
-    keep = len(prompt) + 2
-    assert propose(engine, "s", keep, [correction], 5) == fresh(engine, prompt + spec[:2] + [correction], 5)
-    s = engine._sessions["s"]
-    assert s.tokens[:keep + 1] == prompt + spec[:2] + [correction] and s.ahead is None
-    engine.close("s")
-
-
-def test_no_drafting_ahead_for_sampled_sessions_shared_drafts_cut_speculations_or_when_off(model, engine):
-    prompt = [1, 5, 9, 13, 2]
-    asyncio.run(engine.open("t", prompt, SamplingParams(temperature=1.0), engine.facts.fingerprint,
-                            engine.facts.vocab_size, 0, 64, 8))
-    engine.prefill("t").result(10)
-    engine.propose("t", len(prompt), [], 3, 0, True).result(10)
-    assert engine._sessions["t"].ahead is None  # sampled: the next propose's seed decides its tokens
-    open_session(engine, "g", prompt)
-    engine.propose("g", len(prompt), [], 3, 0, True).result(10)
-    assert engine._sessions["g"].ahead is None  # another session is open: the draft is shared
-    engine.close("t")
-    engine.propose("g", len(prompt) + 3, [], 3, 0).result(10)
-    assert engine._sessions["g"].ahead is None  # not a speculation
-    engine.close("g")
-    off = DraftEngine(PagedLlamaRunner.from_hf_model(model, num_blocks=64, block_size=4, max_seqs=1),
-                      DraftConfig(max_sessions=1, look_ahead=False)).start()
-    try:
-        open_session(off, "g", prompt)
-        off.propose("g", len(prompt), [], 3, 0, True).result(10)
-        assert off._sessions["g"].ahead is None
-    finally:
-        off.stop()
-
-
-def test_closing_a_session_while_it_drafts_ahead_frees_it(model):
-    runner = PagedLlamaRunner.from_hf_model(model, num_blocks=64, block_size=4, max_seqs=1)
-    e = DraftEngine(runner, DraftConfig(max_sessions=1)).start()
-    try:
-        open_session(e, "s", [1, 5, 9, 13, 2], max_tokens=40, max_draft=8)
-        e.propose("s", 5, [], 8, 0, True).result(10)
-        _ahead_by_then(e, "s", "some")
-        e.close("s")
-        e.loop.call(lambda: None).result(10)
-        stats = runner.blocks.stats()
-        assert stats.used_blocks == stats.reserved_blocks == stats.sequences == 0
-    finally:
         e.stop()

@@ -49,9 +49,6 @@ VARIANTS = {
     "torch-int4-bf16-head": Variant("torch-int4-bf16-head", "torch", "int4", "bfloat16"),
     "torch-int4-x8": Variant("torch-int4-x8", "torch", "int4", "int8", int4_activations=8),  # 8-bit activations, int8 head
     "torch-int4-x16": Variant("torch-int4-x16", "torch", "int4", "q8_0", int4_activations=16),  # 16-bit, Q8_0 head
-    # the Q8_0 head read through a 4-bit copy, its top candidates rescored with it
-    "torch-int4-x16-rescored": Variant("torch-int4-x16-rescored", "torch", "int4", "q8_0-rescored",
-                                       int4_activations=16),
     "llamacpp-f32": Variant("llamacpp-f32", "llamacpp", "f32"),
     "llamacpp-f16": Variant("llamacpp-f16", "llamacpp", "f16"),
     "llamacpp-q8_0": Variant("llamacpp-q8_0", "llamacpp", "q8_0"),

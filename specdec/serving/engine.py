@@ -28,7 +28,7 @@ class PooledEngine(Generic[S]):
         self.facts = runner.facts
         self.config = config
         self.loop = StepLoop(runner, Scheduler(SchedulerConfig(config.max_step_tokens, config.max_prefill_tokens)),
-                             f"{self.role}-model", on_step, config.model_thread_nice)
+                             f"{self.role}-model", on_step)
         self.admission = Admission(runner.blocks, config.admission_wait_s, config.admission_queue,
                                    f"{self.role} KV pool")
         self._sessions: dict[str, S] = {}

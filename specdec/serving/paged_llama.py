@@ -66,7 +66,7 @@ from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving import cpu_gemm
 from specdec.serving.blocks import BlockManager
 from specdec.serving.cpu_gemm import (CPU_KERNELS, PANEL, FusedInt4Layers, PackedF32Weight, PackedInt4Weight,
-                                     PackedInt8Weight, PackedQ8Weight, RescoredHead)
+                                     PackedInt8Weight, PackedQ8Weight)
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight, Int8Weight
 
@@ -76,10 +76,8 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT4 = "int4"  # 4-bit weights, bf16 activations (CPU)
 # the int4 precision's output head: bfloat16; int8, one scale per vocabulary row; q8_0, a float16
-# scale per 32 inputs (GGUF's Q8_0: the shipped SMolLM2 head's own values; specdec's kernels only);
-# q8_0-rescored, that head read through a 4-bit copy whose top candidates are rescored with it
-# (cpu_gemm.RescoredHead; specdec's kernels only)
-INT4_HEADS = ("bfloat16", "int8", "q8_0", "q8_0-rescored")
+# scale per 32 inputs (GGUF's Q8_0: the shipped SMolLM2 head's own values; specdec's kernels only)
+INT4_HEADS = ("bfloat16", "int8", "q8_0")
 # the int8 head serves steps of at most this many logit rows: one core, 49,152 x 576, ms per head
 # matmul int8 / bf16 at 1, 2, 4, 6, 8, 16 rows: 1.8/4.3, 1.6/3.8, 1.9/3.8, 3.6/4.2, 3.8/4.3, 7.5/5.4
 # (scripts/int8_head_probe.py). specdec's int8 kernel (PackedInt8Weight) serves every step: against
@@ -95,10 +93,9 @@ FUSED_ROWS = 12
 PRECISIONS = (*_DTYPES, INT4)
 # a weight used as x @ w: [in, out]
 Matrix = (torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | PackedInt4Weight | PackedInt8Weight
-          | PackedQ8Weight | RescoredHead)
+          | PackedQ8Weight)
 # the Matrix kinds with their own matmul and storages
-OWN_MATMUL = (Int4Weight, Int8Weight, PackedF32Weight, PackedInt4Weight, PackedInt8Weight, PackedQ8Weight,
-              RescoredHead)
+OWN_MATMUL = (Int4Weight, Int8Weight, PackedF32Weight, PackedInt4Weight, PackedInt8Weight, PackedQ8Weight)
 # a small head of specdec's kernels serves every step (it is faster than bf16 at every row count)
 PACKED_HEADS = (PackedInt8Weight, PackedQ8Weight)
 
@@ -353,15 +350,14 @@ def quantize_int4(w: Weights, make: MakeInt4 | None = None, head_dtype: str = "b
     # bytes (1.8 ms against 4.3 for a row), the draft's top-1 agreement with the fp32 target
     # 98.0% -> 97.2% (BENCHMARKS.md §6f); bf16 stays faster from about 8 rows.
     tied = w.embed_is_head()
-    if packed and head_dtype in ("q8_0", "q8_0-rescored"):
+    if packed and head_dtype == "q8_0":
         # the Q8_0 head is the only head (faster than bf16 at every row count), and a tied embedding
         # reads its rows from it in float32: the shipped model's values, no bf16 rounding. So is the
         # final norm, which feeds the head
         q8 = PackedQ8Weight.quantize(w.lm_head, act_bits)
         return Weights(embed=q8 if tied else bf16(w.embed).contiguous(), layers=layers,
                        # a copy: the loaded model's tensor may share one storage with all its weights
-                       final_norm=w.final_norm.detach().float().clone(),
-                       lm_head=RescoredHead.of(q8) if head_dtype == "q8_0-rescored" else q8, cos=bf16(w.cos),
+                       final_norm=w.final_norm.detach().float().clone(), lm_head=q8, cos=bf16(w.cos),
                        sin=bf16(w.sin))
     head = bf16(w.lm_head.t()).contiguous()  # [V, hidden]
     embed = head if tied else bf16(w.embed).contiguous()  # [V, hidden]

@@ -10,7 +10,6 @@ draft on this CPU) does not keep a closed session's memory for its whole length.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -35,7 +34,7 @@ class StepRecord:
 
 class StepLoop:
     def __init__(self, runner: BatchRunner, scheduler: Scheduler, name: str = "model",
-                 on_step: Callable[[StepRecord], None] | None = None, nice: int = 0):
+                 on_step: Callable[[StepRecord], None] | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.on_step = on_step
@@ -43,7 +42,6 @@ class StepLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._abandoned: set[int] = set()  # closed sequences whose free has not run yet
-        self.nice = nice  # this thread's niceness, added to the process's
         self.steps = 0
         self.aborted_steps = 0
 
@@ -78,12 +76,6 @@ class StepLoop:
 
     # -- the model thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        if self.nice:
-            try:  # on Linux a thread id names one thread; raising niceness needs no privilege
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                               os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
-            except (AttributeError, OSError) as e:
-                log.warning("could not lower the model thread's priority: %s", e)
         while not self._stopped.is_set():
             try:
                 self.step(block=True)
