@@ -52,7 +52,10 @@ specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --
   --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-x16"
 python scripts/draft_load_probe.py "$out/draft-load" --clients 1,8 --reps 2 --configs x8,x16 > docs/bench/draft-load-x16.json
 PYTHONPATH=. python scripts/ttft_probe.py "$out/ttft" > docs/bench/ttft-2026-12-06-x16.json
-# 6r. where a pipelined round's time goes (~1 min each; twice)
+# 6r. the bench on target-only and pipelined (~4 min), and where a pipelined round's time goes (~1 min each; twice)
+specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 --systems target-only,pipelined \
+  --no-progress --out "$out/bench-final"
+cp "$out/bench-final/compare.md" docs/bench/compare-final-vm4.md
 python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-1.json
 python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-2.json
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
