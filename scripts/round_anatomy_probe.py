@@ -10,7 +10,8 @@ sequential, --reps times. Prints one JSON object, medians over rounds:
   - the draft's service ms per drafted token while the target verifies (a pipelined round's
     speculation of k+1 tokens) against alone (a sequential round's proposal of k, drafted while
     the target waits): how much the two processes slow each other (caches, memory bandwidth);
-  - the k = 8 verify ms in each mode (the same contention, seen from the target);
+  - the verify ms of rounds with k drafts (k = orchestrator.default_k, 8 by default) in each mode
+    (the same contention, seen from the target);
   - a speculation's round trip beyond the draft's service time (gRPC both ways, the handoff to
     the draft's model thread), and the orchestrator's turnaround between a speculation's reply
     and the next speculation's request;
