@@ -53,8 +53,11 @@ class ModelServiceConfig(ServiceConfig):
     # torch engine at dtype int4 in specdec's kernels: the 4-bit matmuls' and 8-bit head's activations, 8 | 16 bits
     int4_activations: int = 8
     # torch engine on the CPU: specdec = its own single-threaded kernels (specdec/serving/cpu_gemm.py) for
-    # float32 weights (AVX2/AVX-512) and for the int4 precision (AVX-512 VNNI), torch's where they cannot be
-    # built | torch = torch's matmuls (MKL, torch's int4 kernel). README "Choosing the defaults"
+    # float32 weights (AVX2/AVX-512; a float32 matrix whose every value is a GGUF's Q4_1 or Q8_0 value, as in
+    # a model dequantized from one, is read from those codes on AVX-512: the same results, a sixth of the
+    # bytes) and for the int4 precision (AVX-512 VNNI), torch's where they cannot be built | specdec-f32 =
+    # the same with every float32 matrix read as float32 (for comparison) | torch = torch's matmuls (MKL,
+    # torch's int4 kernel). README "Choosing the defaults"
     cpu_kernels: str = "specdec"
     kv_pool_tokens: int = 16384  # the KV pool, allocated at startup: tokens over all sessions
     block_size: int = 16  # tokens per KV block

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specdec.serving import cpu_gemm
-from specdec.serving.cpu_gemm import GROUP, PANEL, PackedF32Weight, PackedInt4Weight, PackedInt8Weight, PackedQ8Weight
+from specdec.serving.cpu_gemm import (GROUP, PANEL, CodesF32Weight, PackedF32Weight, PackedInt4Weight, PackedInt8Weight,
+                                     PackedQ8Weight)
 
 BUILDABLE = platform.machine().lower() in ("x86_64", "amd64") and cpu_gemm._compiler() is not None
 
@@ -20,6 +21,8 @@ BUILDABLE = platform.machine().lower() in ("x86_64", "amd64") and cpu_gemm._comp
 FLAGS = set(cpu_gemm._cpu_signature().split())  # what the kernels are built for
 needs_skinny = pytest.mark.skipif(not (BUILDABLE and {"avx2", "fma"} <= FLAGS),
                                   reason="skinny_gemm.c needs x86-64 with AVX2 and FMA, and a C compiler")
+needs_avx512 = pytest.mark.skipif(not (BUILDABLE and {"avx512f", "f16c"} <= FLAGS),
+                                  reason="skinny_dequant.c needs AVX-512 and a C compiler")
 needs_vnni = pytest.mark.skipif(not (BUILDABLE and {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS),
                                 reason="int4_gemm.c needs AVX-512 VNNI and a C compiler")
 
@@ -133,25 +136,65 @@ def test_lowbit_weights_compute_the_quantized_arithmetic(kind, bits):
     assert torch.equal(gb, qw.matmul(xb.float()).bfloat16())  # the float32 result, rounded to nearest even
 
 
+def _gguf_grids(k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[in, out] float32 matrices as a GGUF's Q4_1 and Q8_0 blocks dequantize (float16 d and m)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.02 + 1e-3).half().float()  # [out, in/G]
+    m = (torch.randn(n, k // GROUP, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as the quantizer leaves it
+    w4 = (q * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k).t()  # [in, out]
+    c = torch.randint(-127, 128, (n, k // GROUP, GROUP), generator=g).float()
+    c[..., 0] = 127 * torch.where(torch.rand(n, k // GROUP, generator=g) < 0.5, 1.0, -1.0)  # |c| max is 127
+    w8 = (c * d.unsqueeze(-1)).view(n, k).t()  # [in, out]
+    return w4.contiguous(), w8.contiguous()
+
+
 def test_gguf_grids_come_back_exactly():
     """A matrix dequantized from a GGUF's Q4_1 (w = d q + m) or Q8_0 (w = d c) blocks, float16 d
     and m, is packed with its own codes and scales: dense() gives back every value bit for bit
     (so the int4 draft of the shipped SmolLM2 holds the fp32 target's weights exactly)."""
-    torch.manual_seed(5)
-    k, n = 64, 32
-    d = (torch.rand(n, k // GROUP) * 0.02 + 1e-3).half().float()  # [out, in/G]
-    m = (torch.randn(n, k // GROUP) * 0.05).half().float()
-    q = torch.randint(0, 16, (n, k // GROUP, GROUP)).float()
-    q[..., 0], q[..., 1] = 0, 15  # each group spans its whole range, as the quantizer leaves it
-    w4 = (q * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k).t()  # [in, out]
+    w4, w8 = _gguf_grids(64, 32, 5)
     assert torch.equal(PackedInt4Weight.quantize(w4).dense(), w4)
-    c = torch.randint(-127, 128, (n, k // GROUP, GROUP)).float()
-    c[..., 0] = 127 * torch.where(torch.rand(n, k // GROUP) < 0.5, 1.0, -1.0)  # |c| max is 127
-    w8 = (c * d.unsqueeze(-1)).view(n, k).t()  # [in, out]
     q8 = PackedQ8Weight.quantize(w8)
     assert torch.equal(q8.dense(), w8)
     ids = torch.tensor([0, 31, 7, 16, 7])
     assert torch.equal(q8.columns(ids), w8[:, ids].t())  # a tied embedding's rows, float32
+    assert torch.equal(PackedInt4Weight.quantize(w4).columns(ids), w4[:, ids].t())
+
+
+@needs_avx512
+@pytest.mark.parametrize("k, n", [(64, 16), (96, 80), (576, 192)])
+def test_codes_f32_gives_the_float32_kernels_bits(k, n):
+    """A matrix on a Q4_1 or Q8_0 grid is kept as its codes; its matmul equals the float32
+    kernel's on the same matrix bit for bit for every row count (the in-register tiles up to 12
+    rows, the dequantized-panel path beyond), so a target read from codes computes the same logits
+    and a verify's rows still equal one-token decodes."""
+    w4, w8 = _gguf_grids(k, n, k + n)
+    x = torch.randn(30, k)  # [T, in]
+    for w, kind in ((w4, PackedInt4Weight), (w8, PackedQ8Weight)):
+        cw = CodesF32Weight.of(w)
+        assert cw is not None and isinstance(cw.codes, kind)
+        assert (cw.in_features, cw.out_features) == (k, n) and torch.equal(cw.dense(), w)
+        ref = PackedF32Weight.pack(w)
+        for rows in (*range(1, 16), 24, 25, 30):
+            assert torch.equal(cw.matmul(x[:rows]), ref.matmul(x[:rows])), (kind.__name__, rows)
+        assert cw.matmul(x[:0]).shape == (0, n)
+        ids = torch.tensor([0, n - 1, 5, 16 % n, 5])
+        assert torch.equal(cw.columns(ids), w[:, ids].t())  # a tied embedding's rows
+        assert sum(t.nbytes for t in cw.storages()) * 3 < w.nbytes  # 5 or 8.5 bits a weight, not 32
+
+
+def test_codes_f32_keeps_only_matrices_its_codes_give_back():
+    """A matrix off the grids (one weight nudged by an ulp, random values, the wrong shape or
+    dtype) is not kept as codes: None, and the runner packs it in float32."""
+    w4, _ = _gguf_grids(64, 32, 3)
+    nudged = w4.clone()
+    nudged[7, 9] = torch.nextafter(nudged[7, 9], torch.tensor(1.0))
+    assert CodesF32Weight.of(nudged) is None
+    assert CodesF32Weight.of(torch.randn(64, 32)) is None
+    assert CodesF32Weight.of(w4[:, :24]) is None and CodesF32Weight.of(w4[:40]) is None
+    assert CodesF32Weight.of(w4.bfloat16()) is None
 
 
 def test_a_kernel_that_cannot_be_built_is_none_with_the_reason(monkeypatch, tmp_path, caplog):
@@ -254,6 +297,40 @@ def test_the_float32_runner_packs_by_default():
     torch.testing.assert_close(verify, torch.cat(decodes), rtol=0, atol=0 if r.c_attention else 1e-5)
     (ref,) = rt.forward([SeqChunk(rt.blocks.reserve(12), toks, 0, len(toks))])
     torch.testing.assert_close(verify, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_avx512
+def test_the_float32_runner_reads_a_gguf_models_codes():
+    """A float32 model dequantized from a GGUF (its layers on the Q4_1 grid, its tied head on
+    Q8_0, as the default target) is read from its codes by default: the logits of
+    cpu_kernels = specdec-f32 (every matrix in float32 panels) bit for bit, a verify's rows equal
+    one-token decodes, and under a third of the weight bytes."""
+    from specdec.serving.batch import SeqChunk
+    from specdec.serving.paged_llama import PagedLlamaRunner
+    from tests.test_paged_llama import tiny_model
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+                lin.weight.copy_(PackedInt4Weight.quantize(lin.weight.t()).dense().t())
+        head = model.get_output_embeddings().weight  # [V, hidden], tied to the embedding
+        head.copy_(PackedQ8Weight.quantize(head.t()).dense().t())
+    r = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4)
+    rf = PagedLlamaRunner.from_hf_model(model, num_blocks=16, block_size=4, cpu_kernels="specdec-f32")
+    assert isinstance(r.weights.lm_head, CodesF32Weight) and isinstance(r.weights.lm_head.codes, PackedQ8Weight)
+    assert r.weights.embed is r.weights.lm_head
+    assert all(isinstance(getattr(lw, m), CodesF32Weight) and isinstance(getattr(lw, m).codes, PackedInt4Weight)
+               for lw in r.weights.layers for m in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(rf.weights.lm_head, PackedF32Weight)
+    assert r.facts.weight_bytes * 3 < rf.facts.weight_bytes
+    toks = [5, 17, 33, 2, 99, 64, 8, 120, 1, 7, 7, 42, 3, 90, 11]  # past the 12-row in-register tiles
+    sv, sd, sf = r.blocks.reserve(16), r.blocks.reserve(16), rf.blocks.reserve(16)
+    (verify,) = r.forward([SeqChunk(sv, toks, 0, len(toks))])  # [15, V]
+    (ref,) = rf.forward([SeqChunk(sf, toks, 0, len(toks))])
+    assert torch.equal(verify, ref)
+    decodes = [r.forward([SeqChunk(sd, [t], i, 1)])[0] for i, t in enumerate(toks)]
+    torch.testing.assert_close(verify, torch.cat(decodes), rtol=0, atol=0 if r.c_attention else 1e-5)
 
 
 @needs_vnni

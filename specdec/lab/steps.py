@@ -42,6 +42,8 @@ class Variant:
 
 VARIANTS = {
     "torch-fp32": Variant("torch-fp32", "torch", "float32"),
+    # every float32 matrix in float32 panels, none read from its GGUF codes (the same logits, 5x the bytes)
+    "torch-fp32-panels": Variant("torch-fp32-panels", "torch", "float32", cpu_kernels="specdec-f32"),
     "torch-fp32-mkl": Variant("torch-fp32-mkl", "torch", "float32", cpu_kernels="torch"),
     "torch-bf16": Variant("torch-bf16", "torch", "bfloat16"),
     "torch-int4": Variant("torch-int4", "torch", "int4"),

@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 PANEL = 16  # columns per packed panel (skinny_gemm.c's PANEL)
-CPU_KERNELS = ("specdec", "torch")  # ModelServiceConfig.cpu_kernels
+# ModelServiceConfig.cpu_kernels: specdec's (float32 matrices on a GGUF grid read as their codes), specdec's
+# with every float32 matrix in float32 panels (the same results, more bytes: for comparison), or torch's
+CPU_KERNELS = ("specdec", "specdec-f32", "torch")
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 
 
@@ -114,6 +116,21 @@ def skinny() -> ctypes.CDLL | None:
         lib.skinny_gemm_f32.restype = None
         lib.skinny_gemm_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                                         ctypes.c_long, ctypes.c_void_p]
+    return lib
+
+
+@functools.cache
+def dequant() -> ctypes.CDLL | None:
+    """csrc/skinny_dequant.c (float32 arithmetic over Q4_1 / Q8_0 codes; AVX-512), which includes
+    skinny_gemm.c."""
+    lib = _build("skinny_dequant", ("avx512f", "f16c"))
+    if lib is not None:
+        lib.skinny_gemm_dequant.restype = None
+        lib.skinny_gemm_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                            ctypes.c_void_p]
+        lib.skinny_dequant_scratch_floats.restype = ctypes.c_long
+        lib.skinny_dequant_scratch_floats.argtypes = [ctypes.c_long]
     return lib
 
 
@@ -376,6 +393,14 @@ class PackedInt4Weight:
         """x [T, in] float32 or bfloat16 -> [T, out], the same dtype."""
         return _lowbit_matmul(LOWBIT_Q4_1, self.act_bits, x, self.codes, self.scales, self.out_features)
 
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> the matrix's columns [T, in] in float32 (a tied output head's embedding rows)."""
+        t = ids.shape[0]
+        b = self.codes.view(self.out_features // PANEL, -1, PANEL, 4)[ids // PANEL, :, ids % PANEL]  # [T, in/8, 4]
+        q = torch.stack([b & 15, b >> 4], 2).reshape(t, -1, GROUP).float()  # [T, in/G, G]
+        d, lo = (self.scales[ids // PANEL, :, i, ids % PANEL].float() for i in (0, 1))  # [T, in/G] each
+        return (q * d.unsqueeze(-1) + lo.unsqueeze(-1)).view(t, -1)  # [T, in]
+
     def dense(self) -> torch.Tensor:
         """The [in, out] float32 matrix the codes stand for (tests)."""
         p, k, n = self.out_features // PANEL, self.in_features, self.out_features
@@ -486,3 +511,62 @@ class PackedQ8Weight:
 
     def storages(self) -> list[torch.Tensor]:
         return [self.codes, self.scales]
+
+
+@dataclass(frozen=True)
+class CodesF32Weight:
+    """A float32 [in, out] weight every value of which lies on a GGUF grid, kept as those codes:
+    Q4_1 (`PackedInt4Weight`, a decoder layer of a model dequantized from a Q4_1 file) or Q8_0
+    (`PackedQ8Weight`, its output head). skinny_dequant.c dequantizes them in registers to the
+    same float32 values (exactly) and runs skinny_gemm.c's chains: `PackedF32Weight`'s results
+    bit for bit, reading 5 bits a weight instead of 32 (Q8_0: 8.5)."""
+
+    codes: PackedInt4Weight | PackedQ8Weight
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "CodesF32Weight | None":
+        """w [in, out] float32 -> its Q4_1 codes, else its Q8_0 codes, if they give back every
+        value bit for bit; else None (the matrix stays a PackedF32Weight)."""
+        k, n = w.shape
+        if w.dtype != torch.float32 or k % GROUP or n % PANEL:
+            return None
+        for kind in (PackedInt4Weight, PackedQ8Weight):
+            try:
+                codes = kind.quantize(w)
+            except ValueError:  # beyond float16's range
+                return None
+            if torch.equal(codes.dense(), w):
+                return cls(codes)
+        return None
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.out_features
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 -> [T, out] float32."""
+        lib = dequant()
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)  # [T, out]
+        if rows:
+            scratch = torch.empty(lib.skinny_dequant_scratch_floats(self.in_features), dtype=torch.float32)
+            lib.skinny_gemm_dequant(int(isinstance(self.codes, PackedQ8Weight)), x.data_ptr(), rows, self.in_features,
+                                    self.codes.codes.data_ptr(), self.codes.scales.data_ptr(), self.out_features,
+                                    y.data_ptr(), scratch.data_ptr())
+        return y
+
+    def columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> the matrix's columns [T, in] float32 (a tied output head's embedding rows)."""
+        return self.codes.columns(ids)
+
+    def dense(self) -> torch.Tensor:
+        """The [in, out] float32 matrix (tests)."""
+        return self.codes.dense()
+
+    def storages(self) -> list[torch.Tensor]:
+        return self.codes.storages()

@@ -65,8 +65,8 @@ from specdec.devices import kv_pool_tokens_for_memory
 from specdec.serving.batch import ModelFacts, SeqChunk, StepAborted, StopCheck
 from specdec.serving import cpu_gemm
 from specdec.serving.blocks import BlockManager
-from specdec.serving.cpu_gemm import (CPU_KERNELS, PANEL, FusedInt4Layers, PackedF32Weight, PackedInt4Weight,
-                                     PackedInt8Weight, PackedQ8Weight)
+from specdec.serving.cpu_gemm import (CPU_KERNELS, PANEL, CodesF32Weight, FusedInt4Layers, PackedF32Weight,
+                                     PackedInt4Weight, PackedInt8Weight, PackedQ8Weight)
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
 from specdec.serving.int4 import Int4Weight, Int8Weight
 
@@ -92,10 +92,13 @@ SMALL_HEAD_ROWS = 4
 FUSED_ROWS = 12
 PRECISIONS = (*_DTYPES, INT4)
 # a weight used as x @ w: [in, out]
-Matrix = (torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | PackedInt4Weight | PackedInt8Weight
-          | PackedQ8Weight)
+Matrix = (torch.Tensor | Int4Weight | Int8Weight | PackedF32Weight | CodesF32Weight | PackedInt4Weight
+          | PackedInt8Weight | PackedQ8Weight)
 # the Matrix kinds with their own matmul and storages
-OWN_MATMUL = (Int4Weight, Int8Weight, PackedF32Weight, PackedInt4Weight, PackedInt8Weight, PackedQ8Weight)
+OWN_MATMUL = (Int4Weight, Int8Weight, PackedF32Weight, CodesF32Weight, PackedInt4Weight, PackedInt8Weight,
+              PackedQ8Weight)
+# packed heads whose columns are a tied embedding's rows
+PACKED_EMBEDS = (PackedF32Weight, CodesF32Weight, PackedQ8Weight)
 # a small head of specdec's kernels serves every step (it is faster than bf16 at every row count)
 PACKED_HEADS = (PackedInt8Weight, PackedQ8Weight)
 
@@ -145,7 +148,7 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    embed: torch.Tensor | PackedF32Weight | PackedQ8Weight  # [V, hidden] (tied: a transposed view of lm_head, or lm_head itself when packed)
+    embed: torch.Tensor | PackedF32Weight | CodesF32Weight | PackedQ8Weight  # [V, hidden] (tied: a transposed view of lm_head, or lm_head itself when packed)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: Matrix  # [hidden, V]
@@ -281,10 +284,15 @@ def extract_weights(model: torch.nn.Module, arch: Arch, consume: bool = False) -
                    lm_head=lm_head, cos=cos, sin=sin)
 
 
-def pack_f32(w: Weights) -> Weights:
+def pack_f32(w: Weights, codes: bool = False) -> Weights:
     """float32 CPU weights with every matmul weight packed for specdec's kernel (cpu_gemm); a
-    tied embedding becomes the packed head itself (read through its columns)."""
-    packed = PackedF32Weight.pack
+    tied embedding becomes the packed head itself (read through its columns). codes: a matrix
+    whose every value lies on a GGUF grid (a model dequantized from a Q4_1 file: its layers on
+    Q4_1, its head on Q8_0) is kept as those codes (CodesF32Weight: the same float32 results bit
+    for bit, a sixth of the layers' bytes read)."""
+    def packed(m: torch.Tensor) -> PackedF32Weight | CodesF32Weight:
+        return (CodesF32Weight.of(m) if codes else None) or PackedF32Weight.pack(m)
+
     tied = w.embed_is_head()
     layers = [dataclasses.replace(lw, qkv=packed(lw.qkv), o=packed(lw.o), gate_up=packed(lw.gate_up),
                                   down=packed(lw.down)) for lw in w.layers]
@@ -308,9 +316,10 @@ def packable_int4(w: Weights) -> bool:
     return all(m.shape[0] % cpu_gemm.GROUP == 0 and m.shape[1] % PANEL == 0 for m in _matrices(w))
 
 
-def embed_tokens(embed: torch.Tensor | PackedF32Weight | PackedQ8Weight, token_ids: torch.Tensor) -> torch.Tensor:
+def embed_tokens(embed: torch.Tensor | PackedF32Weight | CodesF32Weight | PackedQ8Weight, token_ids: torch.Tensor
+                 ) -> torch.Tensor:
     """token_ids [T] -> [T, hidden] (float32 from a packed head)."""
-    if isinstance(embed, (PackedF32Weight, PackedQ8Weight)):  # the tied, packed output head [hidden, V]: its columns
+    if isinstance(embed, PACKED_EMBEDS):  # the tied, packed output head [hidden, V]: its columns
         return embed.columns(token_ids)
     return embed.index_select(0, token_ids)
 
@@ -521,7 +530,7 @@ def attends_in_c(arch: Arch, device: torch.device, cpu_kernels: str) -> bool:
     logits equal one-token decodes bit for bit; and it is faster than SDPA on this CPU at every
     shape measured (the fp32 target at 300 keys: 1 row 18.85 against 19.41 ms, 9 rows 28.75
     against 31.05; scripts/step_context_probe.py, BENCHMARKS.md §6p)."""
-    return (device.type == "cpu" and cpu_kernels == "specdec" and cpu_gemm.lowbit() is not None
+    return (device.type == "cpu" and cpu_kernels != "torch" and cpu_gemm.lowbit() is not None
             and cpu_gemm.attention_takes(arch.head_dim, arch.group))
 
 
@@ -713,7 +722,7 @@ class PagedLlamaRunner:
         dtype, device = param.dtype, param.device
         with torch.inference_mode():
             weights = extract_weights(model, arch, consume=consume)
-            ours = cpu_kernels == "specdec" and device.type == "cpu"
+            ours = cpu_kernels != "torch" and device.type == "cpu"
             if int4 and int4_make is not None:  # a stored INT4 checkpoint: its own codes
                 weights, dtype = quantize_int4(weights, int4_make, int4_head), torch.bfloat16
             elif int4:
@@ -723,7 +732,7 @@ class PagedLlamaRunner:
                 weights, dtype = (quantize_int4(weights, head_dtype=int4_head, packed=packed, act_bits=int4_activations),
                                   torch.bfloat16)
             elif ours and packable_f32(weights) and cpu_gemm.skinny() is not None:
-                weights = pack_f32(weights)
+                weights = pack_f32(weights, codes=cpu_kernels == "specdec" and cpu_gemm.dequant() is not None)
             pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block
         dtype_name = INT4 if int4 else {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
         facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,
