@@ -532,6 +532,9 @@ class CodesF32Weight:
             return None
         for kind in (PackedInt4Weight, PackedQ8Weight):
             try:
+                first = w[:, :PANEL]  # one panel first: a matrix off this grid is refused cheaply
+                if not torch.equal(kind.quantize(first).dense(), first):
+                    continue
                 codes = kind.quantize(w)
             except ValueError:  # beyond float16's range
                 return None
