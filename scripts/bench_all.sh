@@ -58,6 +58,27 @@ specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --
 cp "$out/bench-final/compare.md" docs/bench/compare-final-vm4.md
 python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-1.json
 python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-2.json
+# 6s. the target read from its GGUF codes: exactness and steps against float32 panels (~3 min), the bench
+#     with each (~3 + 4 min; TOML with [target] cpu_kernels = "specdec-f32" for the panels), llama.cpp's
+#     example beside the default (~6 min), the reduced study with each (~6 + 7 min), the round's anatomy, TTFT
+python scripts/codes_target_probe.py --reps 3 --out docs/bench/codes-target-probe.json
+printf '[target]\ncpu_kernels = "specdec-f32"\n' > "$out/panels.toml"
+specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 --systems target-only,pipelined \
+  --no-progress --out "$out/bench-codes"
+specdec bench --config "$out/panels.toml" --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 \
+  --systems target-only,pipelined --no-progress --out "$out/bench-panels"
+cp "$out/bench-codes/compare.md" docs/bench/compare-codes.md
+cp "$out/bench-panels/compare.md" docs/bench/compare-panels.md
+specdec bench --runs 3 --prompts 2 --workloads chat,code --max-tokens 128,256 --k 8 \
+  --systems target-only,pipelined,llamacpp-spec --no-progress --out "$out/decode-codes"
+cp "$out/decode-codes/compare.md" docs/bench/decode-vs-llamacpp-codes.md
+specdec study --studies ksweep --prompts 1 --runs 3 --ks 8 --control --no-progress --out "$out/study-codes"
+specdec study --config "$out/panels.toml" --studies ksweep --prompts 1 --runs 3 --ks 8 --control --no-progress \
+  --out "$out/study-panels"
+cp "$out/study-codes/study.md" docs/bench/study-k8-codes.md
+cp "$out/study-panels/study.md" docs/bench/study-k8-panels.md
+python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-codes.json
+PYTHONPATH=. python scripts/ttft_probe.py "$out/ttft-codes" > docs/bench/ttft-codes.json
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt

@@ -404,3 +404,35 @@ def test_the_default_draft_agrees_with_the_fp32_target_on_the_shipped_model():
     print(f"\ndraft top-1 agreement with the fp32 target over {len(ids)} positions: {agree:.4f} "
           f"(int8 activations, int8 head: {agree_old:.4f})")
     assert agree >= 0.99 and agree >= agree_old
+
+
+@needs_avx512
+@pytest.mark.slow
+def test_the_default_target_reads_its_codes_and_gives_the_float32_logits():
+    """The target service's runner on the shipped model (TargetConfig's defaults) holds every
+    decoder matrix as Q4_1 codes and its head as Q8_0 codes, and its logits over a real prompt,
+    in 9-token verifies, equal those of the same model in float32 panels bit for bit."""
+    from specdec import hf_compat, models
+    from specdec.config import TargetConfig
+    from specdec.lab.workloads import mixed_workload
+    from specdec.serving.batch import SeqChunk
+    from specdec.serving.runners import load_runner
+
+    def runner(cfg):
+        cfg.kv_pool_tokens, cfg.max_sessions = 512, 2
+        return load_runner(cfg, "cpu")
+
+    codes, panels = runner(TargetConfig()), runner(TargetConfig(cpu_kernels="specdec-f32"))
+    mats = [codes.weights.lm_head] + [getattr(lw, m) for lw in codes.weights.layers
+                                      for m in ("qkv", "o", "gate_up", "down")]
+    assert all(isinstance(m, CodesF32Weight) for m in mats)
+    assert isinstance(codes.weights.lm_head.codes, PackedQ8Weight)
+    assert codes.facts.weight_bytes * 5 < panels.facts.weight_bytes
+    tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))
+    ids = hf_compat.chat_token_ids(tok, mixed_workload(1, 0)[0].messages)[:120]
+    sc, sp = codes.blocks.reserve(128), panels.blocks.reserve(128)
+    for i in range(0, len(ids), 9):
+        chunk = ids[i:i + 9]
+        (a,) = codes.forward([SeqChunk(sc, chunk, i, len(chunk))])
+        (b,) = panels.forward([SeqChunk(sp, chunk, i, len(chunk))])
+        assert torch.equal(a, b), i

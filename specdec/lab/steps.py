@@ -89,7 +89,7 @@ def time_shape(runner, batch: int, n: int, runs: int) -> float:
     """Median ms of one forward of `batch` sequences x `n` new tokens after CONTEXT cached tokens."""
     from specdec.serving.batch import SeqChunk
 
-    seqs = [runner.blocks.reserve(CONTEXT + 64) for _ in range(batch)]
+    seqs = [runner.blocks.reserve(CONTEXT + max(64, n)) for _ in range(batch)]
     try:
         for b, s in enumerate(seqs):  # the context, fed in chunks
             toks = [(100 + 13 * i + 7 * b) % 20000 + 50 for i in range(CONTEXT)]

@@ -48,8 +48,11 @@ biases or q/k norms.
 Precision float32 on the CPU with `cpu_kernels = "specdec"` (the default): every matmul weight
 (QKV, O, gate/up, down, the output head) is a `PackedF32Weight` run by specdec's own kernel
 (specdec.serving.cpu_gemm): the same values, a verify of k + 1 rows at 1.7x a one-row step
-instead of 2.7x, and each row's result independent of the rows beside it. A tied embedding is
-read from the packed head's columns (no second copy).
+instead of 2.7x, and each row's result independent of the rows beside it. A matrix whose every
+value is a GGUF's Q4_1 or Q8_0 value (a model dequantized from a Q4_1 file, as the default
+target: its layers and its head) is kept as those codes instead (`CodesF32Weight`, AVX-512):
+the same results bit for bit, a sixth of the layers' bytes (`cpu_kernels = "specdec-f32"`
+keeps float32 panels). A tied embedding is read from the packed head's columns (no second copy).
 """
 from __future__ import annotations
 
