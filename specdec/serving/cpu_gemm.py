@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -273,6 +274,17 @@ class FusedInt4Layers:
         return x
 
 
+def _float32_matmul(x: torch.Tensor, out: int, run: Callable[[torch.Tensor, int, torch.Tensor], None]
+                    ) -> torch.Tensor:
+    """x [T, in] float32 -> y [T, out] float32 filled by run(x, T, y), a kernel call (none for T = 0)."""
+    x = x.contiguous()
+    rows = x.shape[0]
+    y = torch.empty(rows, out, dtype=torch.float32)  # [T, out]
+    if rows:
+        run(x, rows, y)
+    return y
+
+
 @dataclass(frozen=True)
 class PackedF32Weight:
     """A float32 [in, out] weight packed for skinny_gemm.c: panels of PANEL output columns,
@@ -300,13 +312,8 @@ class PackedF32Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 -> [T, out] float32."""
         lib = skinny()
-        x = x.contiguous()
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)  # [T, out]
-        if rows:
-            lib.skinny_gemm_f32(x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.out_features,
-                                y.data_ptr())
-        return y
+        return _float32_matmul(x, self.out_features, lambda x, rows, y: lib.skinny_gemm_f32(
+            x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.out_features, y.data_ptr()))
 
     def columns(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> the matrix's columns [T, in] (a tied output head's embedding rows)."""
@@ -557,15 +564,13 @@ class CodesF32Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 -> [T, out] float32."""
         lib = dequant()
-        x = x.contiguous()
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)  # [T, out]
-        if rows:
-            scratch = torch.empty(lib.skinny_dequant_scratch_floats(self.in_features), dtype=torch.float32)
-            lib.skinny_gemm_dequant(int(isinstance(self.codes, PackedQ8Weight)), x.data_ptr(), rows, self.in_features,
-                                    self.codes.codes.data_ptr(), self.codes.scales.data_ptr(), self.out_features,
-                                    y.data_ptr(), scratch.data_ptr())
-        return y
+        q8, k, n = int(isinstance(self.codes, PackedQ8Weight)), self.in_features, self.out_features
+
+        def run(x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
+            scratch = torch.empty(lib.skinny_dequant_scratch_floats(k), dtype=torch.float32)
+            lib.skinny_gemm_dequant(q8, x.data_ptr(), rows, k, self.codes.codes.data_ptr(),
+                                    self.codes.scales.data_ptr(), n, y.data_ptr(), scratch.data_ptr())
+        return _float32_matmul(x, n, run)
 
     def columns(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> the matrix's columns [T, in] float32 (a tied output head's embedding rows)."""
