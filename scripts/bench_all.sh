@@ -79,6 +79,8 @@ cp "$out/study-codes/study.md" docs/bench/study-k8-codes.md
 cp "$out/study-panels/study.md" docs/bench/study-k8-panels.md
 python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-codes.json
 PYTHONPATH=. python scripts/ttft_probe.py "$out/ttft-codes" > docs/bench/ttft-codes.json
+python scripts/draft_load_probe.py "$out/load-codes" --clients 1,8 --reps 2 --configs x16,panels \
+  > docs/bench/load-codes-vs-panels.json
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt

@@ -28,4 +28,6 @@ CONFIGS = {  # name -> (section, field, value) overrides of the embedded default
     # the orchestrator pinned to the target's core (0) or the draft's (1); unpinned by default
     "orch0": [("orchestrator", "cpu_cores", "0")],
     "orch1": [("orchestrator", "cpu_cores", "1")],
+    # the target in float32 panels instead of its GGUF codes (the same logits; BENCHMARKS §6s)
+    "panels": [("target", "cpu_kernels", "specdec-f32")],
 }
