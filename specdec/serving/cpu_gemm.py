@@ -135,7 +135,7 @@ def dequant() -> ctypes.CDLL | None:
                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                             ctypes.c_void_p]
         lib.skinny_dequant_scratch_floats.restype = ctypes.c_long
-        lib.skinny_dequant_scratch_floats.argtypes = [ctypes.c_long]
+        lib.skinny_dequant_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long]
     return lib
 
 
@@ -567,7 +567,7 @@ class CodesF32Weight:
         q8, k, n = int(isinstance(self.codes, PackedQ8Weight)), self.in_features, self.out_features
 
         def run(x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
-            scratch = torch.empty(lib.skinny_dequant_scratch_floats(k), dtype=torch.float32)
+            scratch = torch.empty(lib.skinny_dequant_scratch_floats(rows, k), dtype=torch.float32)
             lib.skinny_gemm_dequant(q8, x.data_ptr(), rows, k, self.codes.codes.data_ptr(),
                                     self.codes.scales.data_ptr(), n, y.data_ptr(), scratch.data_ptr())
         return _float32_matmul(x, n, run)

@@ -25,7 +25,7 @@
  *   Q8_0 codes: per panel, per block of 4 inputs, 64 bytes: byte 4n + t = c[k0 + t][n] + 128;
  *     scales: per panel, per group of 32 inputs, 16 float16.
  *
- * Few rows (M <= MAXR, a decode or a verify): one tile dequantizes each block of codes once, in
+ * Few rows (M <= DQ_MAXR, a decode or a verify): one tile dequantizes each block of codes once, in
  * registers, and feeds it to every row. Many rows (a prefill): a pair of panels is dequantized
  * into a buffer that skinny_gemm.c's tiles then read for every row tile.
  */
@@ -39,89 +39,86 @@
 
 #define GQ 32 /* inputs per scale group */
 
-/* Q4_1 block: the 8 inputs k0..k0+7 of NR panels, dequantized one input at a time, each fed to MR rows */
-#define Q4_STEP(MR, NR, KK)                                                                                  \
+/* The weights of 16 outputs at one input, from a 64-byte block of codes (exact, see above).
+ * Q4_1: input k0 + kk of a block of 8, w = q * d + lo. */
+static inline __m512 q4_weights(__m512i codes, int kk, __m512 d, __m512 lo)
+{
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(codes, 8 * (kk & 3) + 4 * (kk >> 2)), _mm512_set1_epi32(15));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, lo);
+}
+
+/* Q8_0: input k0 + t of a block of 4, w = (c + 128) * d + nd with nd = -128 d: d * c */
+static inline __m512 q8_weights(__m512i codes, int t, __m512 d, __m512 nd)
+{
+    const __m512i c = _mm512_and_si512(_mm512_srli_epi32(codes, 8 * t), _mm512_set1_epi32(255));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, nd);
+}
+
+/* A group's scales for 16 outputs: Q4_1 d and lo; Q8_0 d and nd = -128 d */
+static inline void q4_scales(const uint16_t *s, __m512 *d, __m512 *lo)
+{
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+    *lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + PANEL)));
+}
+
+static inline void q8_scales(const uint16_t *s, __m512 *d, __m512 *nd)
+{
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+    *nd = _mm512_mul_ps(*d, _mm512_set1_ps(-128.0f));
+}
+
+/* per format: inputs per block of 64 code bytes, code bytes per input, scales (float16) per group */
+#define Q4_BLOCK 8
+#define Q4_CODE_BYTES 8
+#define Q4_GROUP_SCALES (2 * PANEL)
+#define Q8_BLOCK 4
+#define Q8_CODE_BYTES PANEL
+#define Q8_GROUP_SCALES PANEL
+
+/* One input of a block: the NR panels' weights at input k0 + KK, fed to MR rows' chains */
+#define DQ_STEP(FMT, MR, NR, KK)                                                                             \
     {                                                                                                        \
-        const int sh = 8 * ((KK) & 3) + 4 * ((KK) >> 2);                                                     \
         __m512 w[NR];                                                                                        \
-        _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) w[j] = _mm512_fmadd_ps(                         \
-            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c[j], sh), nib)), d[j], lo[j]);            \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) w[j] = FMT##_weights(c[j], KK, d[j], e[j]);     \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                              \
             const __m512 b = _mm512_set1_ps(x[i * K + k0 + (KK)]);                                           \
             _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) acc[i * NR + j] =                           \
                 _mm512_fmadd_ps(b, w[j], acc[i * NR + j]);                                                   \
         }                                                                                                    \
     }
+#define Q4_STEPS(MR, NR) DQ_STEP(q4, MR, NR, 0) DQ_STEP(q4, MR, NR, 1) DQ_STEP(q4, MR, NR, 2)                 \
+    DQ_STEP(q4, MR, NR, 3) DQ_STEP(q4, MR, NR, 4) DQ_STEP(q4, MR, NR, 5) DQ_STEP(q4, MR, NR, 6)              \
+    DQ_STEP(q4, MR, NR, 7)
+#define Q8_STEPS(MR, NR) DQ_STEP(q8, MR, NR, 0) DQ_STEP(q8, MR, NR, 1) DQ_STEP(q8, MR, NR, 2)                 \
+    DQ_STEP(q8, MR, NR, 3)
 
-#define Q4TILE(MR, NR)                                                                                       \
-    static void q4tile_##MR##_##NR(const float *x, long K, const uint8_t *codes, const uint16_t *scales,      \
-                                   float *y, long N)                                                         \
+/* One tile: MR rows against NR panels of codes, each block dequantized once in registers. FMT is
+ * q4 or q8, FMT_UP Q4 or Q8 (its constants). */
+#define DQ_TILE(FMT, FMT_UP, MR, NR)                                                                         \
+    static void FMT##tile_##MR##_##NR(const float *x, long K, const uint8_t *codes, const uint16_t *scales,  \
+                                      float *y, long N)                                                      \
     {                                                                                                        \
         __m512 acc[MR * NR];                                                                                 \
         _Pragma("GCC unroll 32") for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_ps();             \
-        const long pc = K * 8, psc = (K / GQ) * 2 * PANEL; /* code bytes, scales per panel */                \
-        const __m512i nib = _mm512_set1_epi32(15);                                                           \
+        const long pc = K * FMT_UP##_CODE_BYTES, psc = (K / GQ) * FMT_UP##_GROUP_SCALES; /* per panel */     \
         for (long g = 0; g < K / GQ; g++) {                                                                  \
-            __m512 d[NR], lo[NR];                                                                            \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                                           \
-                const uint16_t *s = scales + j * psc + g * 2 * PANEL;                                        \
-                d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));                              \
-                lo[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + PANEL)));                   \
-            }                                                                                                \
-            for (int blk = 0; blk < GQ / 8; blk++) {                                                         \
-                const long k0 = g * GQ + blk * 8;                                                            \
+            __m512 d[NR], e[NR];                                                                             \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                             \
+                FMT##_scales(scales + j * psc + g * FMT_UP##_GROUP_SCALES, &d[j], &e[j]);                    \
+            for (int blk = 0; blk < GQ / FMT_UP##_BLOCK; blk++) {                                            \
+                const long k0 = g * GQ + blk * FMT_UP##_BLOCK;                                               \
                 __m512i c[NR];                                                                               \
                 _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                         \
-                    c[j] = _mm512_loadu_si512((const void *)(codes + j * pc + k0 * 8));                      \
-                Q4_STEP(MR, NR, 0) Q4_STEP(MR, NR, 1) Q4_STEP(MR, NR, 2) Q4_STEP(MR, NR, 3)                  \
-                Q4_STEP(MR, NR, 4) Q4_STEP(MR, NR, 5) Q4_STEP(MR, NR, 6) Q4_STEP(MR, NR, 7)                  \
+                    c[j] = _mm512_loadu_si512((const void *)(codes + j * pc + k0 * FMT_UP##_CODE_BYTES));    \
+                FMT_UP##_STEPS(MR, NR)                                                                       \
             }                                                                                                \
         }                                                                                                    \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                \
             _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                             \
                 _mm512_storeu_ps(y + i * N + j * PANEL, acc[i * NR + j]);                                    \
     }
-
-/* Q8_0 block: the 4 inputs k0..k0+3; w = fma(c + 128, d, -128 d) = d * c, exact */
-#define Q8_STEP(MR, NR, KK)                                                                                  \
-    {                                                                                                        \
-        __m512 w[NR];                                                                                        \
-        _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) w[j] = _mm512_fmadd_ps(                         \
-            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c[j], 8 * (KK)), byte)), d[j], nd[j]);     \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                              \
-            const __m512 b = _mm512_set1_ps(x[i * K + k0 + (KK)]);                                           \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) acc[i * NR + j] =                           \
-                _mm512_fmadd_ps(b, w[j], acc[i * NR + j]);                                                   \
-        }                                                                                                    \
-    }
-
-#define Q8TILE(MR, NR)                                                                                       \
-    static void q8tile_##MR##_##NR(const float *x, long K, const uint8_t *codes, const uint16_t *scales,      \
-                                   float *y, long N)                                                         \
-    {                                                                                                        \
-        __m512 acc[MR * NR];                                                                                 \
-        _Pragma("GCC unroll 32") for (int i = 0; i < MR * NR; i++) acc[i] = _mm512_setzero_ps();             \
-        const long pc = K * PANEL, psc = (K / GQ) * PANEL;                                                   \
-        const __m512i byte = _mm512_set1_epi32(255);                                                         \
-        const __m512 m128 = _mm512_set1_ps(-128.0f);                                                         \
-        for (long g = 0; g < K / GQ; g++) {                                                                  \
-            __m512 d[NR], nd[NR];                                                                            \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++) {                                           \
-                d[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + j * psc + g * PANEL))); \
-                nd[j] = _mm512_mul_ps(d[j], m128);                                                           \
-            }                                                                                                \
-            for (int blk = 0; blk < GQ / 4; blk++) {                                                         \
-                const long k0 = g * GQ + blk * 4;                                                            \
-                __m512i c[NR];                                                                               \
-                _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                         \
-                    c[j] = _mm512_loadu_si512((const void *)(codes + j * pc + k0 * PANEL));                  \
-                Q8_STEP(MR, NR, 0) Q8_STEP(MR, NR, 1) Q8_STEP(MR, NR, 2) Q8_STEP(MR, NR, 3)                  \
-            }                                                                                                \
-        }                                                                                                    \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NR; j++)                                             \
-                _mm512_storeu_ps(y + i * N + j * PANEL, acc[i * NR + j]);                                    \
-    }
+#define Q4TILE(MR, NR) DQ_TILE(q4, Q4, MR, NR)
+#define Q8TILE(MR, NR) DQ_TILE(q8, Q8, MR, NR)
 
 /* the in-register tiles (rows, panels): registers hold MR * NR accumulators, 2 NR scales, NR code
  * vectors, NR weights and a broadcast */
@@ -143,48 +140,36 @@ static dq_tile dq_pick(int q8, int mr, int nr)
 }
 
 /* nr panels' weights as skinny_gemm.c packs them: wp[j][k][0..15] (K * 16 floats a panel) */
-static void dequantize_panels(int q8, long K, const uint8_t *codes, const uint16_t *scales, int nr, float *wp)
-{
-    for (int j = 0; j < nr; j++) {
-        float *out = wp + j * K * PANEL;
-        if (q8) {
-            const uint8_t *pcodes = codes + j * K * PANEL;
-            const uint16_t *ps = scales + j * (K / GQ) * PANEL;
-            for (long k0 = 0; k0 < K; k0 += 4) {
-                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ps + (k0 / GQ) * PANEL)));
-                const __m512 nd = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
-                const __m512i c = _mm512_loadu_si512((const void *)(pcodes + k0 * PANEL));
-                for (int t = 0; t < 4; t++)
-                    _mm512_storeu_ps(out + (k0 + t) * PANEL, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
-                        _mm512_srli_epi32(c, 8 * t), _mm512_set1_epi32(255))), d, nd));
-            }
-        } else {
-            const uint8_t *pcodes = codes + j * K * 8;
-            const uint16_t *ps = scales + j * (K / GQ) * 2 * PANEL;
-            for (long k0 = 0; k0 < K; k0 += 8) {
-                const uint16_t *s = ps + (k0 / GQ) * 2 * PANEL;
-                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
-                const __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + PANEL)));
-                const __m512i c = _mm512_loadu_si512((const void *)(pcodes + k0 * 8));
-                for (int kk = 0; kk < 8; kk++)
-                    _mm512_storeu_ps(out + (k0 + kk) * PANEL, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
-                        _mm512_srli_epi32(c, 8 * (kk & 3) + 4 * (kk >> 2)), _mm512_set1_epi32(15))), d, lo));
-            }
-        }
+#define DEQUANTIZE_PANELS(FMT, FMT_UP)                                                                       \
+    static void FMT##_dequantize_panels(long K, const uint8_t *codes, const uint16_t *scales, int nr, float *wp) \
+    {                                                                                                        \
+        for (int j = 0; j < nr; j++)                                                                         \
+            for (long g = 0; g < K / GQ; g++) {                                                              \
+                __m512 d, e;                                                                                 \
+                FMT##_scales(scales + (j * (K / GQ) + g) * FMT_UP##_GROUP_SCALES, &d, &e);                   \
+                for (long k0 = g * GQ; k0 < (g + 1) * GQ; k0 += FMT_UP##_BLOCK) {                            \
+                    const __m512i c = _mm512_loadu_si512((const void *)(codes + j * K * FMT_UP##_CODE_BYTES   \
+                                                                        + k0 * FMT_UP##_CODE_BYTES));        \
+                    for (int kk = 0; kk < FMT_UP##_BLOCK; kk++)                                              \
+                        _mm512_storeu_ps(wp + (j * K + k0 + kk) * PANEL, FMT##_weights(c, kk, d, e));        \
+                }                                                                                            \
+            }                                                                                                \
     }
-}
+DEQUANTIZE_PANELS(q4, Q4)
+DEQUANTIZE_PANELS(q8, Q8)
 
-/* scratch floats skinny_gemm_dequant needs for K inputs: a pair of dequantized panels */
-long skinny_dequant_scratch_floats(long K) { return 2 * K * PANEL + 16; }
+/* scratch floats skinny_gemm_dequant needs for M rows of K inputs: none for the in-register
+ * tiles, else a pair of dequantized panels */
+long skinny_dequant_scratch_floats(long M, long K) { return M <= DQ_MAXR ? 0 : 2 * K * PANEL + 16; }
 
 /* y[M, N] = x[M, K] @ W[K, N], W as Q4_1 (q8 = 0) or Q8_0 (q8 = 1) codes and float16 scales in the
  * layouts above; x, y float32 contiguous; K % 32 == 0, N % 16 == 0; scratch from
- * skinny_dequant_scratch_floats (used only when M > DQ_MAXR). */
+ * skinny_dequant_scratch_floats. */
 void skinny_gemm_dequant(int q8, const float *x, long M, long K, const uint8_t *codes, const uint16_t *scales,
                          long N, float *y, float *scratch)
 {
     const long np = N / PANEL;
-    const long pc = q8 ? K * PANEL : K * 8, psc = q8 ? (K / GQ) * PANEL : (K / GQ) * 2 * PANEL;
+    const long pc = K * (q8 ? Q8_CODE_BYTES : Q4_CODE_BYTES), psc = (K / GQ) * (q8 ? Q8_GROUP_SCALES : Q4_GROUP_SCALES);
     if (M <= DQ_MAXR) {
         const int mr = (int)M, nr = DQ_NR_FOR[mr];
         const dq_tile wide = dq_pick(q8, mr, nr), one = dq_pick(q8, mr, 1);
@@ -196,7 +181,7 @@ void skinny_gemm_dequant(int q8, const float *x, long M, long K, const uint8_t *
     float *wp = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     for (long p = 0; p < np; p += NRBIG) {
         const int nr = p + NRBIG <= np ? NRBIG : 1;
-        dequantize_panels(q8, K, codes + p * pc, scales + p * psc, nr, wp);
+        (q8 ? q8_dequantize_panels : q4_dequantize_panels)(K, codes + p * pc, scales + p * psc, nr, wp);
         for (long m0 = 0; m0 < M; m0 += MAXR) {
             const int mr = M - m0 < MAXR ? (int)(M - m0) : MAXR;
             run_tile(x + m0 * K, K, wp, y + m0 * N + p * PANEL, N, mr, nr);
