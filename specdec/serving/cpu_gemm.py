@@ -413,12 +413,8 @@ class PackedInt4Weight:
         return (q * d.unsqueeze(-1) + lo.unsqueeze(-1)).view(t, -1)  # [T, in]
 
     def dense(self) -> torch.Tensor:
-        """The [in, out] float32 matrix the codes stand for (tests)."""
-        p, k, n = self.out_features // PANEL, self.in_features, self.out_features
-        b = self.codes.view(p, k // 8, PANEL, 4)
-        q = torch.stack([b & 15, b >> 4], 3).permute(0, 2, 1, 3, 4).reshape(n, k).float()  # [out, in]
-        d, lo = (self.scales[:, :, i].permute(0, 2, 1).reshape(n, -1).float() for i in (0, 1))
-        return (q.view(n, -1, GROUP) * d.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).t()  # [in, out]
+        """The [in, out] float32 matrix the codes stand for (tests; CodesF32Weight.of)."""
+        return self.columns(torch.arange(self.out_features)).t()  # [in, out]
 
     def storages(self) -> list[torch.Tensor]:
         return [self.codes, self.scales]
@@ -514,11 +510,8 @@ class PackedQ8Weight:
         return (c * d.unsqueeze(-1)).view(t, -1)  # [T, in]
 
     def dense(self) -> torch.Tensor:
-        """The [in, out] float32 matrix the codes stand for (tests)."""
-        n, k = self.out_features, self.in_features
-        c = self.codes.permute(0, 2, 1, 3).reshape(n, k).float() - 128  # [out, in]
-        d = self.scales.permute(0, 2, 1).reshape(n, k // GROUP).float()  # [out, in/G]
-        return (c.view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k).t()
+        """The [in, out] float32 matrix the codes stand for (tests; CodesF32Weight.of)."""
+        return self.columns(torch.arange(self.out_features)).t()  # [in, out]
 
     def storages(self) -> list[torch.Tensor]:
         return [self.codes, self.scales]
