@@ -5,7 +5,7 @@
 Loads the default target twice as the target service does (`cpu_kernels = specdec`: matrices on
 a Q4_1 / Q8_0 grid read as their codes; `specdec-f32`: every matrix in float32 panels), in this
 process pinned to one core with one thread, and reports:
-- how many matrices each holds as codes, its weight bytes and its load time;
+- how many matrices each holds as codes, its weight bytes and its load time (after a warm-up load);
 - whether the two give the same logits bit for bit, 9-token verifies over a real chat prompt;
 - the median ms of one forward of 1 sequence x n tokens (n = 1: a decode; n = 9: a k = 8
   verify; n = 128: a prefill chunk) after 300 cached tokens (`specdec.lab.steps.time_shape`,
@@ -35,6 +35,7 @@ a = ap.parse_args()
 os.sched_setaffinity(0, {0})
 torch.set_num_threads(1)
 out: dict = {"command": "python scripts/codes_target_probe.py " + " ".join(sys.argv[1:])}
+load(VARIANTS["torch-fp32-panels"], models.DEFAULT_TARGET_MODEL, 2)  # a warm-up: imports, the cached model files
 runners = {}
 for name, variant in (("codes", "torch-fp32"), ("panels", "torch-fp32-panels")):
     t0 = time.perf_counter()
