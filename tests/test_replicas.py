@@ -25,6 +25,7 @@ from specdec.modes import LABELS
 pytestmark = pytest.mark.slow
 
 PROMPT = list(range(100, 140))
+DRAIN_S = 0.25  # shorter than every request of the rolling restart below, so a drain must cut one
 
 
 class TwoTargets(Stack):
@@ -76,7 +77,7 @@ class TwoTargets(Stack):
 @pytest.fixture(scope="module")
 def replicas(tiny_models, tmp_path_factory):
     cfg = with_metrics(tiny_config(tiny_models))
-    cfg.target.shutdown_grace_s = 1.0  # a draining replica cuts what is still running after 1 s
+    cfg.target.shutdown_grace_s = DRAIN_S  # a draining replica cuts what is still running after this
     cfg.orchestrator.probe_interval_s = 0.5
     cfg.orchestrator.replica_ejection_s = 3.0
     with TwoTargets(cfg, tmp_path_factory.mktemp("replicas")).start() as stack:
@@ -84,14 +85,20 @@ def replicas(tiny_models, tmp_path_factory):
         yield stack
 
 
-def serving(stack: TwoTargets, kind: str = "target") -> str:
-    """The replica of `kind` ("target"/"target2" or "draft"/"draft2") holding this orchestrator's
-    one session of that kind."""
+def sessions_by_replica(stack: TwoTargets, kind: str = "target") -> dict[str, int]:
+    """The orchestrator's open sessions on each replica of `kind`, by service name
+    ("target"/"target2" or "draft"/"draft2")."""
     with Client(stack.address("orchestrator")) as c:
         reps = {r["address"]: r for r in c.info()["replicas"] if r["kind"] == kind}
-    busy = [a for a, r in reps.items() if r.get("sessions", 0) > 0]
-    assert len(busy) == 1, reps
-    return kind if busy[0] == stack.address(kind) else f"{kind}2"
+    return {s: reps.get(stack.address(s), {}).get("sessions", 0) for s in (kind, f"{kind}2")}
+
+
+def serving(stack: TwoTargets, kind: str = "target") -> str:
+    """The replica of `kind` holding this orchestrator's one session of that kind."""
+    sessions = sessions_by_replica(stack, kind)
+    busy = [s for s, n in sessions.items() if n > 0]
+    assert len(busy) == 1, sessions
+    return busy[0]
 
 
 def restart(stack: TwoTargets, service: str, sig: int) -> None:
@@ -135,17 +142,29 @@ def test_a_target_killed_mid_request_moves_it_to_the_other_replica_and_changes_n
     assert not any(g.values()), g
 
 
-# long enough that a request outlives the 1 s drain of a rolling restart on a fast VM (at 120 tokens,
-# one 2026-12-04 VM finished every request inside the drain, so no move was tested)
+# Long enough that a request outlives the drain of a rolling restart. On the tiny pair a 240-token
+# request takes 0.4 s alone and 1-1.7 s beside three others (one prompt's drafts are all rejected:
+# 3.6 s alone); with the 1 s drain this test once had, a 2026-12-06 CI run finished every request
+# on the draining replicas inside the drain, so no move was tested.
 REQUEST_TOKENS = 240
+
+
+def wait_for_a_session_on(stack: TwoTargets, service: str, within_s: float) -> None:
+    """Return once the orchestrator reports a session on `service`'s replica (so that the signal
+    sent next meets a running request); fail after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while (sessions := sessions_by_replica(stack))[service] == 0:
+        assert time.monotonic() < deadline, f"no session on {service} within {within_s} s: {sessions}"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["rolling-restart", "kill"])
 def test_a_target_replica_restarted_or_killed_under_4_clients_fails_no_request(replicas, sig):
     """4 clients send greedy requests without pause while each target replica in turn is sent
-    SIGTERM (a rolling restart: it drains for 1 s, then exits; longer requests are cut and move
-    to the other replica), or SIGKILL (its requests move at once), and is restarted. No request
-    fails, every output equals its target-only reference."""
+    SIGTERM (a rolling restart: it drains for DRAIN_S, then exits; longer requests are cut and
+    move to the other replica), or SIGKILL (its requests move at once), and is restarted, each
+    signal sent while the replica holds a session. No request fails, every output equals its
+    target-only reference, and at least one request moved."""
     stack = replicas
     stack.wait_ready(120)
     with Client(stack.address("orchestrator"), timeout=120) as c:
@@ -170,6 +189,7 @@ def test_a_target_replica_restarted_or_killed_under_4_clients_fails_no_request(r
     try:
         time.sleep(2.0)
         for service in ("target", "target2"):
+            wait_for_a_session_on(stack, service, 10.0)
             restart(stack, service, sig)
             time.sleep(2.0)
     finally:
