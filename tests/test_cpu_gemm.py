@@ -188,10 +188,16 @@ def test_codes_f32_gives_the_float32_kernels_bits(k, n):
 def test_codes_f32_keeps_only_matrices_its_codes_give_back():
     """A matrix off the grids (one weight nudged by an ulp, random values, the wrong shape or
     dtype) is not kept as codes: None, and the runner packs it in float32."""
-    w4, _ = _gguf_grids(64, 32, 3)
-    nudged = w4.clone()
-    nudged[7, 9] = torch.nextafter(nudged[7, 9], torch.tensor(1.0))
-    assert CodesF32Weight.of(nudged) is None
+    w4, w8 = _gguf_grids(64, 32, 3)
+    for at in ((7, 9), (50, 27)):  # in the first panel (refused by its quick check), and past it
+        nudged = w4.clone()
+        nudged[at] = torch.nextafter(nudged[at], torch.tensor(1.0))
+        assert CodesF32Weight.of(nudged) is None
+    # quantize(exact=True) keeps exactly the matrices whose codes' dense() gives them back
+    for w, kind in ((w4, PackedInt4Weight), (w8, PackedQ8Weight)):
+        for m in (w, w.clone().index_put_((torch.tensor([50]), torch.tensor([27])), w[50, 27] * (1 + 2 ** -20)),
+                  torch.randn(64, 32)):
+            assert (kind.quantize(m, exact=True) is not None) == torch.equal(kind.quantize(m).dense(), m)
     assert CodesF32Weight.of(torch.randn(64, 32)) is None
     assert CodesF32Weight.of(w4[:, :24]) is None and CodesF32Weight.of(w4[:40]) is None
     assert CodesF32Weight.of(w4.bfloat16()) is None

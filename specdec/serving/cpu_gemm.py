@@ -381,20 +381,24 @@ class PackedInt4Weight:
     act_bits: int = 8
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, act_bits: int = 8) -> "PackedInt4Weight":
-        """w [in, out] (any float dtype) -> 4-bit codes per group of GROUP input rows."""
+    def quantize(cls, w: torch.Tensor, act_bits: int = 8, exact: bool = False) -> "PackedInt4Weight | None":
+        """w [in, out] (any float dtype) -> 4-bit codes per group of GROUP input rows. exact: None
+        unless the codes give back every value of w (float32) bit for bit, as `columns` computes
+        them (d * q is exact in float32, so d * q + lo rounds once, as the kernels' FMA does)."""
         _check_lowbit(w, "PackedInt4Weight")
         _check_bits(act_bits)
         k, n = w.shape
         p, ng = n // PANEL, k // GROUP
         groups = w.detach().float().t().reshape(n, ng, GROUP)  # [out, in/G, G]
-        low, high = groups.amin(-1), groups.amax(-1)  # [out, in/G]
+        low, high = torch.aminmax(groups, dim=-1)  # [out, in/G] each
         if max(float(low.abs().max()), float(high.abs().max())) > torch.finfo(torch.float16).max:
             raise ValueError("PackedInt4Weight keeps its scales in float16: weights beyond +-65504 do not fit")
         d = ((high - low) / 15).half()  # [out, in/G]
         low = low.half()  # [out, in/G]
         step = d.float().clamp(min=torch.finfo(torch.float32).tiny)  # [out, in/G]
         q = torch.round((groups - low.float().unsqueeze(-1)) / step.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)  # [out, in/G, G]
+        if exact and not torch.equal(q.float() * d.float().unsqueeze(-1) + low.float().unsqueeze(-1), groups):
+            return None
         halves = q.view(p, PANEL, k // 8, 2, 4)  # [out/16, 16, in/8, 2, 4]: inputs 8b+t (low) and 8b+4+t (high)
         codes = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()  # [out/16, in/8, 16, 4]
         scales = torch.stack([d, low], -1).view(p, PANEL, ng, 2).permute(0, 2, 3, 1).contiguous()  # [out/16, in/G, 2, 16]
@@ -413,7 +417,7 @@ class PackedInt4Weight:
         return (q * d.unsqueeze(-1) + lo.unsqueeze(-1)).view(t, -1)  # [T, in]
 
     def dense(self) -> torch.Tensor:
-        """The [in, out] float32 matrix the codes stand for (tests; CodesF32Weight.of)."""
+        """The [in, out] float32 matrix the codes stand for (tests)."""
         return self.columns(torch.arange(self.out_features)).t()  # [in, out]
 
     def storages(self) -> list[torch.Tensor]:
@@ -481,8 +485,10 @@ class PackedQ8Weight:
         return self.codes.shape[0] * PANEL
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, act_bits: int = 8) -> "PackedQ8Weight":
-        """w [in, out] (any float dtype) -> 8-bit codes per group of GROUP input rows and output."""
+    def quantize(cls, w: torch.Tensor, act_bits: int = 8, exact: bool = False) -> "PackedQ8Weight | None":
+        """w [in, out] (any float dtype) -> 8-bit codes per group of GROUP input rows and output.
+        exact: None unless the codes give back every value of w (float32) bit for bit, as
+        `columns` computes them (d * c is exact in float32)."""
         _check_lowbit(w, "PackedQ8Weight")
         _check_bits(act_bits)
         k, n = w.shape
@@ -493,7 +499,10 @@ class PackedQ8Weight:
             raise ValueError("PackedQ8Weight keeps its scales in float16: weights beyond +-65504 do not fit")
         d = (amax / 127).half()  # [out, in/G]
         step = d.float().clamp(min=torch.finfo(torch.float32).tiny)  # [out, in/G]
-        c = torch.round(groups / step.unsqueeze(-1)).clamp_(-127, 127).to(torch.int16) + 128  # [out, in/G, G]
+        c = torch.round(groups / step.unsqueeze(-1)).clamp_(-127, 127)  # [out, in/G, G] float32
+        if exact and not torch.equal(c * d.float().unsqueeze(-1), groups):
+            return None
+        c = c.to(torch.int16) + 128  # [out, in/G, G]
         codes = c.to(torch.uint8).view(p, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [out/16, in/4, 16, 4]
         scales = d.view(p, PANEL, ng).permute(0, 2, 1).contiguous()  # [out/16, in/G, 16]
         return cls(codes, scales, act_bits)
@@ -510,7 +519,7 @@ class PackedQ8Weight:
         return (c * d.unsqueeze(-1)).view(t, -1)  # [T, in]
 
     def dense(self) -> torch.Tensor:
-        """The [in, out] float32 matrix the codes stand for (tests; CodesF32Weight.of)."""
+        """The [in, out] float32 matrix the codes stand for (tests)."""
         return self.columns(torch.arange(self.out_features)).t()  # [in, out]
 
     def storages(self) -> list[torch.Tensor]:
@@ -536,13 +545,12 @@ class CodesF32Weight:
             return None
         for kind in (PackedInt4Weight, PackedQ8Weight):
             try:
-                first = w[:, :PANEL]  # one panel first: a matrix off this grid is refused cheaply
-                if not torch.equal(kind.quantize(first).dense(), first):
+                if kind.quantize(w[:, :PANEL], exact=True) is None:  # one panel first: off-grid is refused cheaply
                     continue
-                codes = kind.quantize(w)
+                codes = kind.quantize(w, exact=True)
             except ValueError:  # beyond float16's range
                 return None
-            if torch.equal(codes.dense(), w):
+            if codes is not None:
                 return cls(codes)
         return None
 
