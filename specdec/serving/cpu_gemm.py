@@ -7,7 +7,7 @@
 - `CodesF32Weight` (csrc/skinny_dequant.c, AVX-512): the same float32 arithmetic over a matrix
   whose every value is a GGUF's Q4_1 or Q8_0 value, read as those codes and dequantized in
   registers (exactly): `PackedF32Weight`'s results bit for bit from a sixth of the bytes. The
-  default target's one-token step costs 18.6 ms against 32.5 (BENCHMARKS.md §6s).
+  default target's one-token step costs 16.4 ms against 29.9 (BENCHMARKS.md §6s).
 - `PackedInt4Weight`, `PackedInt8Weight`, `PackedQ8Weight` (csrc/int4_gemm.c, AVX-512 VNNI): the
   int4 precision's 4-bit layers and 8-bit output head (one scale per row, or GGUF's Q8_0 blocks)
   against int8 activations: 7.5 ms against torch's int4 13.8 for 9 rows, and the int8 head 0.83
