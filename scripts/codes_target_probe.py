@@ -40,7 +40,7 @@ runners = {}
 for name, variant in (("codes", "torch-fp32"), ("panels", "torch-fp32-panels")):
     t0 = time.perf_counter()
     r = runners[name] = load(VARIANTS[variant], models.DEFAULT_TARGET_MODEL, 2)
-    mats = [r.weights.lm_head] + [getattr(lw, m) for lw in r.weights.layers for m in ("qkv", "o", "gate_up", "down")]
+    mats = r.weights.matrices()
     out[name] = {"load_s": round(time.perf_counter() - t0, 1), "weight_mb": round(r.facts.weight_bytes / 1e6, 1),
                  "matrices": len(mats), "as_codes": sum(isinstance(m, CodesF32Weight) for m in mats)}
 tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))

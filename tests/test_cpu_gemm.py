@@ -429,9 +429,7 @@ def test_the_default_target_reads_its_codes_and_gives_the_float32_logits():
         return load_runner(cfg, "cpu")
 
     codes, panels = runner(TargetConfig()), runner(TargetConfig(cpu_kernels="specdec-f32"))
-    mats = [codes.weights.lm_head] + [getattr(lw, m) for lw in codes.weights.layers
-                                      for m in ("qkv", "o", "gate_up", "down")]
-    assert all(isinstance(m, CodesF32Weight) for m in mats)
+    assert all(isinstance(m, CodesF32Weight) for m in codes.weights.matrices())
     assert isinstance(codes.weights.lm_head.codes, PackedQ8Weight)
     assert codes.facts.weight_bytes * 5 < panels.facts.weight_bytes
     tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL))

@@ -166,6 +166,10 @@ class Weights:
         head = self.lm_head if isinstance(self.lm_head, torch.Tensor) else None
         return head is not None and self.embed.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
 
+    def matrices(self) -> list[Matrix]:
+        """The output head and every layer's fused matrices."""
+        return [self.lm_head] + [getattr(lw, m) for lw in self.layers for m in FUSED]
+
     def nbytes(self) -> int:
         """Bytes of the model weights (each storage once; RoPE tables not counted)."""
         parts = [self.embed, self.final_norm, self.lm_head, self.small_head]
@@ -303,20 +307,15 @@ def pack_f32(w: Weights, codes: bool = False) -> Weights:
     return dataclasses.replace(w, layers=layers, lm_head=head, embed=head if tied else w.embed)
 
 
-def _matrices(w: Weights) -> list[Matrix]:
-    """The output head and every layer's fused matrices."""
-    return [w.lm_head] + [getattr(lw, m) for lw in w.layers for m in FUSED]
-
-
 def packable_f32(w: Weights) -> bool:
     """Whether pack_f32 takes these weights: float32 on the CPU, every matrix a multiple of PANEL wide."""
     return all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.device.type == "cpu"
-               and m.shape[1] % PANEL == 0 for m in _matrices(w))
+               and m.shape[1] % PANEL == 0 for m in w.matrices())
 
 
 def packable_int4(w: Weights) -> bool:
     """Whether quantize_int4(packed=True) takes these weights: every matrix GROUP deep and PANEL wide."""
-    return all(m.shape[0] % cpu_gemm.GROUP == 0 and m.shape[1] % PANEL == 0 for m in _matrices(w))
+    return all(m.shape[0] % cpu_gemm.GROUP == 0 and m.shape[1] % PANEL == 0 for m in w.matrices())
 
 
 def embed_tokens(embed: torch.Tensor | PackedF32Weight | CodesF32Weight | PackedQ8Weight, token_ids: torch.Tensor
