@@ -74,6 +74,9 @@ class ModelServiceConfig(ServiceConfig):
     # in this process's share after the weights, keeping this fraction of the share for activations
     # and graphs
     gpu_activation_reserve: float = 0.1
+    # on the CPU, a model loaded once through transformers loads again from its load manifest (the same
+    # tensors, checked equal when written; specdec/serving/stored_model.py) without importing transformers
+    load_manifest: bool = True
 
 
 @dataclass

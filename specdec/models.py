@@ -186,6 +186,17 @@ def hf_directory(src: ModelSource) -> Path:
     return _converted_dir(src) if src.gguf_file else src.directory
 
 
+def ready_hf_directory(src: ModelSource) -> Path | None:
+    """The model's weights as a Hugging Face directory when one exists without converting
+    anything (a GGUF file's cached copy made earlier); None for random models."""
+    if src.random_init:
+        return None
+    if not src.gguf_file:
+        return src.directory
+    converted = _converted_dir_path(src)
+    return converted if (converted / "config.json").exists() else None
+
+
 def load_tokenizer(src: ModelSource):
     """The HF tokenizer of a source; for GGUF, from the converted copy when it exists."""
     from transformers import AutoTokenizer

@@ -71,6 +71,7 @@ from specdec.serving.blocks import BlockManager
 from specdec.serving.cpu_gemm import (CPU_KERNELS, PANEL, CodesF32Weight, FusedInt4Layers, PackedF32Weight,
                                      PackedInt4Weight, PackedInt8Weight, PackedQ8Weight)
 from specdec.serving.graphs import Capture, GraphConfig, StepGraphs, pad_rows, pick_bucket
+from specdec.serving import stored_model
 from specdec.serving.int4 import Int4Weight, Int8Weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -250,6 +251,11 @@ def _extract_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, he
         down_bias=_bias(mlp.down_proj),
         window=window,
     )
+
+
+def _max_context(config, capacity_tokens: int) -> int:
+    """Positions a sequence may reach: the model's limit, or the pool's when that is smaller."""
+    return min(int(getattr(config, "max_position_embeddings", 2048)), capacity_tokens)
 
 
 def _arch_of(model: torch.nn.Module, max_context: int) -> Arch:
@@ -662,23 +668,28 @@ class PagedLlamaRunner:
     def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
              block_size: int = 16, max_seqs: int = 64, memory_share_bytes: int = 0,
              activation_reserve: float = 0.1, int4_head: str = "bfloat16", cpu_kernels: str = "specdec",
-             int4_activations: int = 8) -> "PagedLlamaRunner":
+             int4_activations: int = 8, manifest: bool = True) -> "PagedLlamaRunner":
         """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up),
         or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
         `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
         dtype: float32 | bfloat16 | float16, or int4 (CPU; see the module docstring), whose output
         head is `int4_head` (INT4_HEADS), and whose matmuls in specdec's kernels take
         `int4_activations`-bit activations (8 | 16). cpu_kernels: on the CPU, float32 and int4 run in
-        specdec's kernels ("specdec", where they build; module docstring) or torch's ("torch")."""
+        specdec's kernels ("specdec", where they build; module docstring) or torch's ("torch").
+        manifest: on the CPU, load from the model's load manifest when it has one, without
+        transformers, and write one after a load through transformers (specdec.serving.stored_model)."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
         if dtype == INT4 and torch.device(device).type != "cpu":
             raise ValueError("dtype int4 runs on the CPU only (torch's CPU int4 kernel); use bfloat16 on a GPU")
         src = models.resolve(spec)
         stored = models.int4_checkpoint(src) if dtype == INT4 else None  # (group, symmetric) of its codes
-        model = models.load_model(src, "float32" if dtype == INT4 and stored is None else
-                                  "bfloat16" if dtype == INT4 else dtype, device)
-        tok = models.load_tokenizer(src)
+        load_dtype = "float32" if dtype == INT4 and stored is None else "bfloat16" if dtype == INT4 else dtype
+        warm = manifest and stored is None and torch.device(device).type == "cpu"
+        model = stored_model.open_stored(src, load_dtype) if warm else None  # None: load cold
+        tok = None
+        if model is None:
+            model, tok = models.load_model(src, load_dtype, device), models.load_tokenizer(src)
         if pool_tokens <= 0:
             arch = _arch_of(model, 1)
             kv_bytes_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * model.dtype.itemsize
@@ -686,10 +697,17 @@ class PagedLlamaRunner:
             pool_tokens = kv_pool_tokens_for_memory(memory_share_bytes, weight_bytes, kv_bytes_per_token,
                                                     activation_reserve, block_size)
         num_blocks = max(1, -(-pool_tokens // block_size))
-        return cls._build(model, spec, models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config),
-                          num_blocks, block_size, max_seqs, consume=True, int4=dtype == INT4,
-                          int4_make=stored_int4(src.directory, *stored) if stored else None, int4_head=int4_head,
-                          cpu_kernels=cpu_kernels, int4_activations=int4_activations)
+        if tok is None and model.rope_positions < _max_context(model.config, num_blocks * block_size):
+            model, tok = models.load_model(src, load_dtype, device), models.load_tokenizer(src)  # tables too short
+        if tok is None:
+            fingerprint, eos = model.fingerprint, model.eos_token_ids
+        else:
+            fingerprint, eos = models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config)
+            if warm:  # before _build consumes the model
+                stored_model.record(src, model, tok, load_dtype, _max_context(model.config, num_blocks * block_size))
+        return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=True,
+                          int4=dtype == INT4, int4_make=stored_int4(src.directory, *stored) if stored else None,
+                          int4_head=int4_head, cpu_kernels=cpu_kernels, int4_activations=int4_activations)
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
@@ -718,7 +736,7 @@ class PagedLlamaRunner:
             raise ValueError(f"PagedLlamaRunner does not support model_type={model.config.model_type!r} "
                              f"(rope {hf_compat.rope_type(model.config)!r}); use the transformers runner")
         blocks = BlockManager(num_blocks, block_size, max_seqs)
-        max_context = min(int(getattr(model.config, "max_position_embeddings", 2048)), blocks.capacity_tokens)
+        max_context = _max_context(model.config, blocks.capacity_tokens)
         arch = _arch_of(model, max_context)
         param = model.get_input_embeddings().weight
         dtype, device = param.dtype, param.device

@@ -48,8 +48,7 @@ def _return_freed_heap() -> None:
 
 
 def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
-    from transformers import AutoConfig
-
+    from specdec.serving import stored_model
     from specdec.serving.graphs import GraphConfig, cuda_capture, parse_sizes
     from specdec.serving.hf_runner import HFRunner
     from specdec.serving.paged_llama import INT4, PagedLlamaRunner, supports
@@ -60,11 +59,16 @@ def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
         log.warning("dtype int4 is the CPU precision (torch's CPU int4 kernel): running %s in bfloat16 on %s",
                     cfg.model, device)
         dtype = "bfloat16"
-    if supports(AutoConfig.from_pretrained(models.hf_directory(src))):
+    config = stored_model.config(src) if cfg.load_manifest else None
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(models.hf_directory(src))
+    if supports(config):
         runner = PagedLlamaRunner.load(cfg.model, dtype, device, cfg.kv_pool_tokens, cfg.block_size,
                                        cfg.max_sessions, gpu_share_bytes(device, cfg.gpu_memory_fraction),
                                        cfg.gpu_activation_reserve, cfg.int4_head, cfg.cpu_kernels,
-                                       cfg.int4_activations)
+                                       cfg.int4_activations, cfg.load_manifest)
         if torch.device(device).type == "cuda" and cfg.cuda_graphs:
             runner.enable_graphs(GraphConfig(parse_sizes(cfg.cuda_graph_batches, "cuda_graph_batches"),
                                              parse_sizes(cfg.cuda_graph_tokens, "cuda_graph_tokens")),
@@ -78,18 +82,22 @@ def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
 
 
 def _llamacpp_runner(cfg: ModelServiceConfig) -> BatchRunner:
+    from specdec.serving import stored_model
     from specdec.serving.llamacpp import LlamaCppRunner, gguf_variant
 
     src = models.resolve(cfg.model)
     if src.gguf_path is None:
         raise InvalidArgument(f"the llama.cpp engine needs a GGUF model, got {cfg.model!r}")
-    tok = models.load_tokenizer(src)
+    facts = stored_model.tokenizer_facts(src) if cfg.load_manifest else None  # without transformers
+    if facts is None:
+        tok = models.load_tokenizer(src)
+        facts = models.tokenizer_fingerprint(tok), models.eos_token_ids(tok)
+    fingerprint, tokenizer_eos = facts
     path = str(gguf_variant(cfg.model, cfg.gguf_type)) if cfg.gguf_type else cfg.model
     runner = LlamaCppRunner.load(path, cfg.kv_pool_tokens, cfg.max_sessions, max(1, cfg.num_threads),
-                                 cfg.max_step_tokens, cfg.block_size, kv_unified=False,
-                                 fingerprint=models.tokenizer_fingerprint(tok))
+                                 cfg.max_step_tokens, cfg.block_size, kv_unified=False, fingerprint=fingerprint)
     f = runner.facts
     runner.facts = dataclasses.replace(
-        f, model=cfg.model, eos_token_ids=sorted(set(f.eos_token_ids) | set(models.eos_token_ids(tok))),
+        f, model=cfg.model, eos_token_ids=sorted(set(f.eos_token_ids) | set(tokenizer_eos)),
         dtype=f"{f.dtype} ({cfg.gguf_type} copy)" if cfg.gguf_type else f.dtype)
     return runner

@@ -1,0 +1,304 @@
+"""A model's load manifest: the paged runner's second load of a model without transformers.
+
+Importing transformers and building its module tree is most of a service's start on the CPU
+(about 3 of 5 s for the tiny test models; the weights themselves are plain safetensors). The
+paged runner only reads tensors, a few config fields, the RoPE tables and the tokenizer's
+fingerprint from that tree. So the first load of a model directory (the cold load, through
+transformers as before) writes a manifest next to the cache, $SPECDEC_CACHE_DIR/manifests/:
+
+- the model's config as a dict, its tokenizer fingerprint and EOS ids;
+- for every tensor of the model's state dict, the safetensors file and key it comes from,
+  each *checked equal* (torch.equal, after the cast to the load dtype) to what transformers
+  loaded; a model whose tensors do not all come straight from its files gets a negative
+  manifest, and always loads cold;
+- the RoPE cos/sin tables as the model's own rotary module computes them (float32).
+
+A later load (the warm load) finds the manifest, checks its key (the directory's files by
+name, size and mtime; the versions of torch, transformers and safetensors; the source of the
+modules that shape extraction) and builds a `StoredModel`: the same tensors in a tree of
+plain nodes answering the attribute paths `paged_llama.extract_weights` reads. The runner
+built from it is the cold runner bit for bit (tests/test_stored_model.py).
+
+Only CPU loads of Hugging Face directories (and converted GGUF files) use it: not random
+models, not stored INT4 checkpoints (their codes are read separately), not GPUs.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from specdec import models
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # the manifest's layout
+MANIFEST_FILE = "manifest.json"
+MAX_STORED_POSITIONS = 32768  # RoPE rows kept beyond what the cold load needed (up to max_position_embeddings)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the modules whose code decides what a model's tensors become in the runner
+_SHAPING_SOURCES = ("stored_model.py", "paged_llama.py", "../hf_compat.py", "../models.py")
+
+
+def manifest_dir(directory: Path) -> Path:
+    return models.cache_dir() / "manifests" / hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
+
+
+def _key(directory: Path) -> dict:
+    here = Path(__file__).parent
+    code = hashlib.sha256()
+    for name in _SHAPING_SOURCES:
+        code.update((here / name).read_bytes())
+    files = sorted((f.name, st.st_size, st.st_mtime_ns) for f in directory.iterdir()
+                   if f.is_file() and (st := f.stat()))
+    versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "safetensors")}
+    return {"version": VERSION, "directory": str(directory.resolve()), "files": [list(f) for f in files],
+            "packages": versions, "code": code.hexdigest()}
+
+
+def _read(directory: Path) -> dict | None:
+    """The manifest of `directory` if its key still holds, else None."""
+    try:
+        manifest = json.loads((manifest_dir(directory) / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if manifest.get("key") == _key(directory) else None
+
+
+def config(src: models.ModelSource) -> SimpleNamespace | None:
+    """The model's config from a valid manifest (attributes as transformers' config has them)."""
+    directory = models.ready_hf_directory(src)
+    manifest = _read(directory) if directory is not None else None
+    return SimpleNamespace(**manifest["config"]) if manifest else None
+
+
+def tokenizer_facts(src: models.ModelSource) -> tuple[str, list[int]] | None:
+    """(fingerprint, EOS ids of the tokenizer alone) from a valid manifest."""
+    directory = models.ready_hf_directory(src)
+    manifest = _read(directory) if directory is not None else None
+    return (manifest["fingerprint"], manifest["eos_tokenizer"]) if manifest else None
+
+
+def _safetensors_keys(directory: Path) -> dict[str, str]:
+    """tensor key -> file name, over every .safetensors file of the directory."""
+    from safetensors import safe_open
+
+    where: dict[str, str] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            where.update({k: f.name for k in st.keys()})
+    return where
+
+
+def record(src: models.ModelSource, model: torch.nn.Module, tokenizer, dtype: str, positions: int) -> None:
+    """After a cold load: write (or extend) the manifest of `src`'s directory for `dtype`, with
+    RoPE tables for at least `positions` positions. Never raises (a manifest is an optimisation)."""
+    directory = models.ready_hf_directory(src)
+    if directory is None or dtype not in _DTYPES:
+        return
+    try:
+        _record(directory, model, tokenizer, dtype, positions)
+    except Exception:  # noqa: BLE001 - the load itself has succeeded; the next one is cold again
+        log.warning("could not write the load manifest of %s", src.spec, exc_info=True)
+
+
+def _record(directory: Path, model: torch.nn.Module, tokenizer, dtype: str, positions: int) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specdec import hf_compat
+
+    old = _read(directory)
+    if old is not None and not old["direct"]:
+        return
+    if old is not None and dtype in old["dtypes"] and old["rope_positions"] >= positions:
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = f"{names[id(model.get_input_embeddings())]}.weight"
+    head = f"{names[id(model.get_output_embeddings())]}.weight"
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    where = _safetensors_keys(directory)
+    tensors: dict[str, str] = {}
+    direct = True
+    handles: dict[str, object] = {}
+    with torch.inference_mode():
+        for name, t in model.state_dict().items():
+            if name == head and tied:
+                continue
+            file = where.get(name)
+            if file is None:
+                direct = False
+                break
+            st = handles.get(file) or handles.setdefault(file, safe_open(str(directory / file), framework="pt"))
+            if not torch.equal(st.get_tensor(name).to(t.dtype), t):
+                direct = False
+                break
+            tensors[name] = file
+    handles.clear()
+    decoder = names[id(model.get_decoder())]
+    manifest = {"key": _key(directory), "direct": direct, "dtypes": sorted({dtype, *(old or {}).get("dtypes", [])}),
+                "config": json.loads(json.dumps(model.config.to_dict(), default=str)),
+                "decoder": decoder, "embed": embed, "head": head, "tied": tied, "tensors": tensors,
+                "fingerprint": models.tokenizer_fingerprint(tokenizer),
+                "eos_tokenizer": models.eos_token_ids(tokenizer),
+                "eos_model": models.eos_token_ids(tokenizer, model.config)}
+    out = manifest_dir(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".tmp-"))
+    try:
+        if direct:
+            max_pos = int(getattr(model.config, "max_position_embeddings", positions) or positions)
+            n = max(positions, min(max_pos, MAX_STORED_POSITIONS))
+            cos, sin = hf_compat.rope_tables(model, n, torch.float32, "cpu")  # [n, D] each
+            rope = f"rope-{n}.safetensors"  # named by its length: a concurrent writer's tables never mix in
+            save_file({"cos": cos, "sin": sin}, str(tmp / rope))
+            manifest.update(rope_positions=n, rope_file=rope)
+            os.replace(tmp / rope, out / rope)
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest))
+        os.replace(tmp / MANIFEST_FILE, out / MANIFEST_FILE)  # last: it marks the entry complete
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("wrote the load manifest of %s (%s)", directory, "direct" if direct else "cold loads only")
+    _prune(out)
+
+
+def _prune(keep: Path) -> None:
+    """Drop the manifests of directories that are gone (test models in temporary folders), and
+    the RoPE tables `keep`'s manifest no longer names."""
+    root = keep.parent
+    for entry in root.iterdir():
+        try:
+            manifest = json.loads((entry / MANIFEST_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if entry != keep and not Path(manifest["key"]["directory"]).exists():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry == keep:
+            for f in entry.glob("rope-*.safetensors"):
+                if f.name != manifest.get("rope_file"):
+                    f.unlink(missing_ok=True)
+
+
+class _Node:
+    """A module path of the stored model: attributes are child nodes or tensors, `[i]` a child."""
+
+    def __init__(self) -> None:
+        self.__dict__["_children"] = {}
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["_children"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value) -> None:
+        self.__dict__["_children"][name] = value
+
+    def __getitem__(self, i: int):
+        return self.__dict__["_children"][str(i)]
+
+    def __setitem__(self, i: int, value) -> None:  # extract_weights(consume=True) drops a layer
+        self.__dict__["_children"][str(i)] = value
+
+    def walk(self, path: str) -> "_Node":
+        node = self
+        for part in path.split(".") if path else ():
+            children = node.__dict__["_children"]
+            node = children.setdefault(part, _Node())
+        return node
+
+
+class _StoredRotary:
+    """`rotary_emb(x, position_ids)` as hf_compat.rope_tables calls it, from the stored tables."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin  # [stored positions, D] float32 each
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = int(position_ids.shape[-1])
+        if p > self.cos.shape[0] or not torch.equal(position_ids[0].cpu(), torch.arange(p)):
+            raise ValueError(f"the stored RoPE tables hold positions 0..{self.cos.shape[0] - 1}")
+        return (self.cos[:p].unsqueeze(0).to(device=x.device, dtype=x.dtype),
+                self.sin[:p].unsqueeze(0).to(device=x.device, dtype=x.dtype))  # each [1, P, D]
+
+
+class StoredModel:
+    """The tensors and facts of a model as its manifest lists them (the warm load)."""
+
+    def __init__(self, manifest: dict, root: _Node, rope_positions: int) -> None:
+        self.config = SimpleNamespace(**manifest["config"])
+        self.fingerprint: str = manifest["fingerprint"]
+        self.eos_token_ids: list[int] = manifest["eos_model"]
+        self.rope_positions = rope_positions
+        self._manifest = manifest
+        self._root = root
+
+    def get_decoder(self) -> _Node:
+        return self._root.walk(self._manifest["decoder"])
+
+    def get_input_embeddings(self) -> _Node:
+        return self._root.walk(self._manifest["embed"].rsplit(".", 1)[0])
+
+    def get_output_embeddings(self) -> _Node:
+        return self._root.walk(self._manifest["head"].rsplit(".", 1)[0])
+
+    def parameters(self):
+        """Every tensor still in the tree, each once (a tied head is the embedding)."""
+        seen: set[int] = set()
+        stack = [self._root]
+        while stack:
+            for child in stack.pop().__dict__["_children"].values():
+                if isinstance(child, _Node):
+                    stack.append(child)
+                elif isinstance(child, torch.Tensor) and id(child) not in seen:
+                    seen.add(id(child))
+                    yield child
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.get_input_embeddings().weight.dtype
+
+
+def open_stored(src: models.ModelSource, dtype: str) -> StoredModel | None:
+    """The warm load: `src`'s tensors in `dtype` (CPU) from a valid manifest, or None (load cold:
+    no manifest, a stale one, or any failure reading it)."""
+    directory = models.ready_hf_directory(src)
+    if directory is None or dtype not in _DTYPES:
+        return None
+    manifest = _read(directory)
+    if manifest is None or not manifest["direct"] or dtype not in manifest["dtypes"]:
+        return None
+    try:
+        return _open(directory, manifest, _DTYPES[dtype])
+    except Exception:  # noqa: BLE001 - e.g. a file replaced meanwhile: the cold load still works
+        log.warning("could not load %s from its manifest; loading it through transformers", src.spec, exc_info=True)
+        return None
+
+
+def _open(directory: Path, manifest: dict, dtype: torch.dtype) -> StoredModel:
+    from safetensors import safe_open
+
+    root = _Node()
+    by_file: dict[str, list[str]] = {}
+    for name, file in manifest["tensors"].items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(directory / file), framework="pt") as st:
+            for name in names:
+                path, leaf = name.rsplit(".", 1)
+                setattr(root.walk(path), leaf, st.get_tensor(name).to(dtype))
+    if manifest["tied"]:
+        path, leaf = manifest["head"].rsplit(".", 1)
+        setattr(root.walk(path), leaf, getattr(root.walk(manifest["embed"].rsplit(".", 1)[0]), "weight"))
+    with safe_open(str(manifest_dir(directory) / manifest["rope_file"]), framework="pt") as st:
+        rotary = _StoredRotary(st.get_tensor("cos"), st.get_tensor("sin"))
+    setattr(root.walk(manifest["decoder"]), "rotary_emb", rotary)
+    return StoredModel(manifest, root, manifest["rope_positions"])

@@ -1,0 +1,137 @@
+"""The load manifest (specdec/serving/stored_model.py): a warm load is the cold load bit for bit,
+without transformers; a stale, unchecked or too short manifest loads cold again."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec import models
+from specdec.serving import stored_model
+from specdec.serving.batch import SeqChunk
+from specdec.serving.paged_llama import PagedLlamaRunner
+from tests.test_paged_llama import KINDS, VOCAB, tiny_model
+
+POOL = 256  # tokens: max_context 256 (the tiny models' max_position_embeddings)
+
+
+def save(model, tokenizer, path):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_dtype(dtype: str) -> str:
+    return "float32" if dtype == "int4" else dtype
+
+
+def logits(runner: PagedLlamaRunner) -> torch.Tensor:
+    """Two sequences: prompts of 11 and 5 tokens, then a 4-token verify and a decode, batched."""
+    rng = random.Random(0)
+    a, b = runner.blocks.reserve(64), runner.blocks.reserve(64)
+    pa, pb = [rng.randrange(VOCAB) for _ in range(11)], [rng.randrange(VOCAB) for _ in range(5)]
+    out = runner.forward([SeqChunk(a, pa, 0, 1), SeqChunk(b, pb, 0, 5)])
+    out += runner.forward([SeqChunk(a, [3, 1, 4, 1], 11, 4), SeqChunk(b, [9], 5, 1)])
+    return torch.cat(out)  # [15, V]
+
+
+def count_cold_loads(monkeypatch) -> list:
+    """Loads through transformers from here on, one entry each."""
+    calls: list = []
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
+
+
+def no_cold_load(monkeypatch):
+    """Make any load through transformers fail: what follows must be a warm load."""
+    def cold(*_a, **_k):
+        raise AssertionError("loaded through transformers")
+
+    monkeypatch.setattr(models, "load_model", cold)
+    monkeypatch.setattr(models, "load_tokenizer", cold)
+
+
+@pytest.mark.parametrize("kind,dtype", [*((k, "float32") for k in KINDS), ("llama", "int4"), ("qwen2", "int4"),
+                                        ("llama", "bfloat16")])
+def test_a_warm_load_is_the_cold_load(kind, dtype, tmp_path, smol_tokenizer, monkeypatch):
+    path = save(tiny_model(kind), smol_tokenizer, tmp_path / kind)
+    src = models.resolve(str(path))
+    assert stored_model.open_stored(src, load_dtype(dtype)) is None  # nothing recorded yet
+    cold = PagedLlamaRunner.load(str(path), dtype, pool_tokens=POOL, max_seqs=4)
+    assert stored_model.open_stored(src, load_dtype(dtype)) is not None
+    assert stored_model.config(src).model_type == kind
+    assert stored_model.tokenizer_facts(src) == (models.tokenizer_fingerprint(smol_tokenizer),
+                                                 models.eos_token_ids(smol_tokenizer))
+    with monkeypatch.context() as m:
+        no_cold_load(m)
+        warm = PagedLlamaRunner.load(str(path), dtype, pool_tokens=POOL, max_seqs=4)
+    assert warm.facts == cold.facts
+    assert torch.equal(warm.weights.cos, cold.weights.cos) and torch.equal(warm.weights.sin, cold.weights.sin)
+    assert torch.equal(logits(warm), logits(cold))
+
+
+def test_a_warm_load_imports_no_transformers(tmp_path, smol_tokenizer):
+    path = save(tiny_model("llama"), smol_tokenizer, tmp_path / "m")
+    code = ("import sys; from specdec.serving.paged_llama import PagedLlamaRunner; "
+            f"PagedLlamaRunner.load({str(path)!r}, 'int4', pool_tokens={POOL}, max_seqs=2); "
+            "print('transformers' in sys.modules)")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
+            for _ in range(2)]
+    assert runs == ["True", "False"]  # cold through transformers, then warm without it
+
+
+def test_a_changed_file_loads_cold(tmp_path, smol_tokenizer):
+    path = save(tiny_model("qwen2", seed=0), smol_tokenizer, tmp_path / "m")
+    first = logits(PagedLlamaRunner.load(str(path), pool_tokens=POOL, max_seqs=4))
+    save(tiny_model("qwen2", seed=1), smol_tokenizer, path)  # other weights, same names
+    assert stored_model.open_stored(models.resolve(str(path)), "float32") is None
+    again = logits(PagedLlamaRunner.load(str(path), pool_tokens=POOL, max_seqs=4))
+    fresh = logits(PagedLlamaRunner.load(str(path), pool_tokens=POOL, max_seqs=4, manifest=False))
+    assert torch.equal(again, fresh) and not torch.equal(again, first)
+
+
+def test_a_model_unlike_its_files_is_never_loaded_warm(tmp_path, smol_tokenizer, monkeypatch):
+    """A tensor that loading changed (as a conversion would): the manifest says cold loads only."""
+    path = save(tiny_model("mistral"), smol_tokenizer, tmp_path / "m")
+    src = models.resolve(str(path))
+    model = models.load_model(src)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
+    stored_model.record(src, model, smol_tokenizer, "float32", POOL)
+    manifest = json.loads((stored_model.manifest_dir(src.directory) / stored_model.MANIFEST_FILE).read_text())
+    assert manifest["direct"] is False
+    assert stored_model.open_stored(src, "float32") is None
+    calls = count_cold_loads(monkeypatch)
+    PagedLlamaRunner.load(str(path), pool_tokens=POOL, max_seqs=4)
+    assert len(calls) == 1
+
+
+def test_tables_too_short_load_cold_and_are_extended(tmp_path, smol_tokenizer, monkeypatch):
+    path = save(tiny_model("llama"), smol_tokenizer, tmp_path / "m")
+    src = models.resolve(str(path))
+    monkeypatch.setattr(stored_model, "MAX_STORED_POSITIONS", 32)
+    PagedLlamaRunner.load(str(path), pool_tokens=32, max_seqs=2)  # max_context 32: 32 rows stored
+    assert stored_model.open_stored(src, "float32").rope_positions == 32
+    calls = count_cold_loads(monkeypatch)
+    longer = PagedLlamaRunner.load(str(path), pool_tokens=POOL, max_seqs=4)  # needs 256 rows: cold
+    assert len(calls) == 1 and stored_model.open_stored(src, "float32").rope_positions == POOL
+    fresh = PagedLlamaRunner.load(str(path), pool_tokens=POOL, max_seqs=4, manifest=False)
+    assert torch.equal(logits(longer), logits(fresh))
+
+
+def test_manifests_of_removed_directories_are_pruned(tmp_path, smol_tokenizer):
+    gone = save(tiny_model("llama"), smol_tokenizer, tmp_path / "gone")
+    PagedLlamaRunner.load(str(gone), pool_tokens=POOL, max_seqs=2)
+    entry = stored_model.manifest_dir(gone)
+    assert entry.exists()
+    for f in gone.iterdir():
+        f.unlink()
+    gone.rmdir()
+    kept = save(tiny_model("llama", seed=1), smol_tokenizer, tmp_path / "kept")
+    PagedLlamaRunner.load(str(kept), pool_tokens=POOL, max_seqs=2)  # writing a manifest prunes the others
+    assert not entry.exists() and stored_model.manifest_dir(kept).exists()
