@@ -22,9 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -198,15 +200,96 @@ def ready_hf_directory(src: ModelSource) -> Path | None:
 
 
 def load_tokenizer(src: ModelSource):
-    """The HF tokenizer of a source; for GGUF, from the converted copy when it exists."""
+    """The HF tokenizer of a source; for GGUF, from the converted copy when it exists. A tokenizer
+    loaded from a directory is kept pickled in its load cache (`load_cache_dir`) and comes back
+    from there while the directory's files and the transformers and tokenizers versions are the
+    same: the same object, without transformers' config and model imports (about 1.5 s)."""
+    folder = _tokenizer_folder(src)
+    if folder is not None and (tok := _cached_tokenizer(folder)) is not None:
+        return tok
     from transformers import AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(folder) if folder is not None else \
+        AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    if folder is not None:
+        _store_tokenizer(folder, tok)
+    return tok
+
+
+def _tokenizer_folder(src: ModelSource) -> Path | None:
+    """The directory holding the source's tokenizer files; None for a GGUF file not converted yet."""
     if src.gguf_file:
         converted = _converted_dir_path(src)
-        if (converted / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(converted)
-        return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
-    return AutoTokenizer.from_pretrained(src.directory)
+        return converted if (converted / "tokenizer_config.json").exists() else None
+    return src.directory
+
+
+TOKENIZER_PACKAGES = ("transformers", "tokenizers")  # what a pickled tokenizer depends on
+_TOKENIZER_PICKLE, _TOKENIZER_KEY = "tokenizer.pkl", "tokenizer-key.json"
+
+
+def _cached_tokenizer(folder: Path):
+    cache = load_cache_dir(folder, create=False)
+    try:
+        if json.loads((cache / _TOKENIZER_KEY).read_text()) != directory_key(folder, TOKENIZER_PACKAGES):
+            return None
+        with open(cache / _TOKENIZER_PICKLE, "rb") as f:
+            return pickle.load(f)  # our own cache folder, written by _store_tokenizer
+    except Exception:  # noqa: BLE001 - missing, stale or unreadable: load it through transformers
+        return None
+
+
+def _store_tokenizer(folder: Path, tok) -> None:
+    try:
+        cache = load_cache_dir(folder)
+        with tempfile.NamedTemporaryFile(dir=cache, delete=False) as f:
+            pickle.dump(tok, f)
+        os.replace(f.name, cache / _TOKENIZER_PICKLE)
+        write_atomically(cache / _TOKENIZER_KEY, json.dumps(directory_key(folder, TOKENIZER_PACKAGES)))
+    except Exception:  # noqa: BLE001 - a cache: the tokenizer itself is loaded
+        log.warning("could not cache the tokenizer of %s", folder, exc_info=True)
+
+
+# -- load caches: per model directory, what a later load can reuse ---------------------------------
+_SOURCE_FILE = "source"  # in each load cache folder: the model directory it belongs to
+
+
+def load_cache_dir(directory: Path, create: bool = True) -> Path:
+    """$SPECDEC_CACHE_DIR/loads/<hash of the directory's path>/: the tokenizer pickle and the load
+    manifest (specdec/serving/stored_model.py) of one model directory. Creating one drops the
+    folders of model directories that no longer exist (test models in temporary folders)."""
+    root = cache_dir() / "loads"
+    out = root / hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
+    if create and not out.exists():
+        _prune_load_caches(root)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomically(out / _SOURCE_FILE, str(directory.resolve()))
+    return out
+
+
+def _prune_load_caches(root: Path) -> None:
+    for entry in root.iterdir() if root.exists() else ():
+        try:
+            gone = not Path((entry / _SOURCE_FILE).read_text()).exists()
+        except OSError:
+            continue
+        if gone:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def directory_key(directory: Path, packages: tuple[str, ...]) -> dict:
+    """What a cached load of `directory` depends on: its files (name, size, mtime) and the
+    versions of `packages`. A cache entry is valid while this is equal."""
+    files = sorted((f.name, st.st_size, st.st_mtime_ns) for f in directory.iterdir()
+                   if f.is_file() and (st := f.stat()))
+    return {"directory": str(directory.resolve()), "files": [list(f) for f in files],
+            "packages": {p: importlib.metadata.version(p) for p in packages}}
+
+
+def write_atomically(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
 
 
 def load_model(src: ModelSource, dtype: str = "float32", device: str = "cpu"):

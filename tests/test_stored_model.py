@@ -103,7 +103,7 @@ def test_a_model_unlike_its_files_is_never_loaded_warm(tmp_path, smol_tokenizer,
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
     stored_model.record(src, model, smol_tokenizer, "float32", POOL)
-    manifest = json.loads((stored_model.manifest_dir(src.directory) / stored_model.MANIFEST_FILE).read_text())
+    manifest = json.loads((models.load_cache_dir(src.directory) / stored_model.MANIFEST_FILE).read_text())
     assert manifest["direct"] is False
     assert stored_model.open_stored(src, "float32") is None
     calls = count_cold_loads(monkeypatch)
@@ -124,14 +124,47 @@ def test_tables_too_short_load_cold_and_are_extended(tmp_path, smol_tokenizer, m
     assert torch.equal(logits(longer), logits(fresh))
 
 
-def test_manifests_of_removed_directories_are_pruned(tmp_path, smol_tokenizer):
+def test_load_caches_of_removed_directories_are_pruned(tmp_path, smol_tokenizer):
     gone = save(tiny_model("llama"), smol_tokenizer, tmp_path / "gone")
     PagedLlamaRunner.load(str(gone), pool_tokens=POOL, max_seqs=2)
-    entry = stored_model.manifest_dir(gone)
-    assert entry.exists()
+    entry = models.load_cache_dir(gone, create=False)
+    assert (entry / stored_model.MANIFEST_FILE).exists() and (entry / "tokenizer.pkl").exists()
     for f in gone.iterdir():
         f.unlink()
     gone.rmdir()
     kept = save(tiny_model("llama", seed=1), smol_tokenizer, tmp_path / "kept")
-    PagedLlamaRunner.load(str(kept), pool_tokens=POOL, max_seqs=2)  # writing a manifest prunes the others
-    assert not entry.exists() and stored_model.manifest_dir(kept).exists()
+    PagedLlamaRunner.load(str(kept), pool_tokens=POOL, max_seqs=2)  # a new cache folder prunes the others
+    assert not entry.exists() and models.load_cache_dir(kept, create=False).exists()
+
+
+def test_a_cached_tokenizer_is_the_loaded_one(tmp_path, smol_tokenizer, monkeypatch):
+    import transformers
+
+    path = save(tiny_model("llama"), smol_tokenizer, tmp_path / "m")
+    src = models.resolve(str(path))
+    first = models.load_tokenizer(src)  # through transformers, then pickled
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained",
+                  lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded through transformers")))
+        cached = models.load_tokenizer(src)
+    assert cached is not first and cached.get_vocab() == first.get_vocab()
+    assert models.tokenizer_fingerprint(cached) == models.tokenizer_fingerprint(smol_tokenizer)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Déjà vu?\n  x = [1, 2]"}]
+    from specdec import hf_compat
+
+    assert hf_compat.chat_token_ids(cached, chat) == hf_compat.chat_token_ids(first, chat)
+    ids = first("def f(x):\n    return x ** 2  # ünïcode", add_special_tokens=False)["input_ids"]
+    assert cached("def f(x):\n    return x ** 2  # ünïcode", add_special_tokens=False)["input_ids"] == ids
+    assert cached.decode(ids, skip_special_tokens=True) == first.decode(ids, skip_special_tokens=True)
+
+
+def test_a_changed_tokenizer_is_loaded_again(tmp_path, smol_tokenizer):
+    import copy
+
+    path = save(tiny_model("llama"), smol_tokenizer, tmp_path / "m")
+    src = models.resolve(str(path))
+    models.load_tokenizer(src)
+    other = copy.deepcopy(smol_tokenizer)
+    other.add_tokens(["<specdec_new_token>"])
+    other.save_pretrained(path)
+    assert "<specdec_new_token>" in models.load_tokenizer(src).get_vocab()

@@ -4,7 +4,8 @@ Importing transformers and building its module tree is most of a service's start
 (about 3 of 5 s for the tiny test models; the weights themselves are plain safetensors). The
 paged runner only reads tensors, a few config fields, the RoPE tables and the tokenizer's
 fingerprint from that tree. So the first load of a model directory (the cold load, through
-transformers as before) writes a manifest next to the cache, $SPECDEC_CACHE_DIR/manifests/:
+transformers as before) writes a manifest into the directory's load cache
+(`models.load_cache_dir`: $SPECDEC_CACHE_DIR/loads/<hash>/, next to its pickled tokenizer):
 
 - the model's config as a dict, its tokenizer fingerprint and EOS ids;
 - for every tensor of the model's state dict, the safetensors file and key it comes from,
@@ -25,7 +26,6 @@ models, not stored INT4 checkpoints (their codes are read separately), not GPUs.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -46,10 +46,7 @@ MAX_STORED_POSITIONS = 32768  # RoPE rows kept beyond what the cold load needed 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the modules whose code decides what a model's tensors become in the runner
 _SHAPING_SOURCES = ("stored_model.py", "paged_llama.py", "../hf_compat.py", "../models.py")
-
-
-def manifest_dir(directory: Path) -> Path:
-    return models.cache_dir() / "manifests" / hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
+PACKAGES = ("torch", "transformers", "safetensors")  # whose versions the manifest depends on
 
 
 def _key(directory: Path) -> dict:
@@ -57,17 +54,13 @@ def _key(directory: Path) -> dict:
     code = hashlib.sha256()
     for name in _SHAPING_SOURCES:
         code.update((here / name).read_bytes())
-    files = sorted((f.name, st.st_size, st.st_mtime_ns) for f in directory.iterdir()
-                   if f.is_file() and (st := f.stat()))
-    versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "safetensors")}
-    return {"version": VERSION, "directory": str(directory.resolve()), "files": [list(f) for f in files],
-            "packages": versions, "code": code.hexdigest()}
+    return {"version": VERSION, **models.directory_key(directory, PACKAGES), "code": code.hexdigest()}
 
 
 def _read(directory: Path) -> dict | None:
     """The manifest of `directory` if its key still holds, else None."""
     try:
-        manifest = json.loads((manifest_dir(directory) / MANIFEST_FILE).read_text())
+        manifest = json.loads((models.load_cache_dir(directory, create=False) / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return None
     return manifest if manifest.get("key") == _key(directory) else None
@@ -150,8 +143,7 @@ def _record(directory: Path, model: torch.nn.Module, tokenizer, dtype: str, posi
                 "fingerprint": models.tokenizer_fingerprint(tokenizer),
                 "eos_tokenizer": models.eos_token_ids(tokenizer),
                 "eos_model": models.eos_token_ids(tokenizer, model.config)}
-    out = manifest_dir(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    out = models.load_cache_dir(directory)
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".tmp-"))
     try:
         if direct:
@@ -167,24 +159,9 @@ def _record(directory: Path, model: torch.nn.Module, tokenizer, dtype: str, posi
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote the load manifest of %s (%s)", directory, "direct" if direct else "cold loads only")
-    _prune(out)
-
-
-def _prune(keep: Path) -> None:
-    """Drop the manifests of directories that are gone (test models in temporary folders), and
-    the RoPE tables `keep`'s manifest no longer names."""
-    root = keep.parent
-    for entry in root.iterdir():
-        try:
-            manifest = json.loads((entry / MANIFEST_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        if entry != keep and not Path(manifest["key"]["directory"]).exists():
-            shutil.rmtree(entry, ignore_errors=True)
-        elif entry == keep:
-            for f in entry.glob("rope-*.safetensors"):
-                if f.name != manifest.get("rope_file"):
-                    f.unlink(missing_ok=True)
+    for f in out.glob("rope-*.safetensors"):  # tables an earlier manifest named
+        if f.name != manifest.get("rope_file"):
+            f.unlink(missing_ok=True)
 
 
 class _Node:
@@ -298,7 +275,7 @@ def _open(directory: Path, manifest: dict, dtype: torch.dtype) -> StoredModel:
     if manifest["tied"]:
         path, leaf = manifest["head"].rsplit(".", 1)
         setattr(root.walk(path), leaf, getattr(root.walk(manifest["embed"].rsplit(".", 1)[0]), "weight"))
-    with safe_open(str(manifest_dir(directory) / manifest["rope_file"]), framework="pt") as st:
+    with safe_open(str(models.load_cache_dir(directory, create=False) / manifest["rope_file"]), framework="pt") as st:
         rotary = _StoredRotary(st.get_tensor("cos"), st.get_tensor("sin"))
     setattr(root.walk(manifest["decoder"]), "rotary_emb", rotary)
     return StoredModel(manifest, root, manifest["rope_positions"])
