@@ -359,6 +359,12 @@ class ReplicaSet:
                 break
         return None
 
+    def pick_replacement(self, left: list[str]) -> Replica | None:
+        """For a request whose replica failed: one it has not been on, else one it left earlier
+        that has answered a probe since (restarted), never the one it has just left (`left[-1]`);
+        only replicas that answer."""
+        return self.pick(exclude=set(left), worst="up") or self.pick(exclude={left[-1]}, worst="up")
+
     def eject(self, replica: Replica, error: BaseException) -> None:
         if replica.up:
             log.warning("%s replica %s failed, ejected for %.0f s: %s", self.kind, replica.address,
@@ -540,9 +546,9 @@ class GrpcBackends:
 
     def replacement_target_session(self, failed: list[GrpcTargetSession], sid: str,
                                    deadline: float | None) -> GrpcTargetSession | None:
-        """A session on another target replica that answers, for a request whose target failed;
-        None when there is none."""
-        replica = self.targets.pick(exclude={s.replica.address for s in failed}, worst="up")
+        """A session on another target replica that answers, for a request whose target failed
+        (ReplicaSet.pick_replacement); None when there is none."""
+        replica = self.targets.pick_replacement([s.replica.address for s in failed])
         return None if replica is None else self._target_session(replica, sid, deadline)
 
     def new_draft_session(self, sid: str, deadline: float | None) -> GrpcDraftSession | None:

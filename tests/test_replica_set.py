@@ -90,6 +90,23 @@ def test_ejection_ends_after_its_time():
     assert rs.pick().address == "a:1"
 
 
+def test_a_request_that_outlives_two_failures_goes_back_to_a_restarted_replica():
+    """a failed, the request moved to b; a was restarted (its probe answers); b fails: back to a."""
+    rs = _set("a:1", "b:1", "c:1")
+    rs.replicas["c:1"].up = False
+    rs.eject(rs.replicas["a:1"], RuntimeError("killed"))
+    assert rs.pick_replacement(["a:1"]).address == "b:1"
+    rs.replicas["a:1"].up = True  # restarted: answers again (still inside its ejection time)
+    rs.eject(rs.replicas["b:1"], RuntimeError("killed"))
+    assert rs.pick_replacement(["a:1", "b:1"]).address == "a:1"
+    rs.replicas["c:1"].up = True  # one the request has not been on comes first
+    assert rs.pick_replacement(["a:1", "b:1"]).address == "c:1"
+    rs.replicas["a:1"].up = rs.replicas["c:1"].up = False
+    assert rs.pick_replacement(["a:1", "b:1"]) is None  # none answers
+    rs.replicas["b:1"].up = True
+    assert rs.pick_replacement(["a:1", "b:1"]) is None  # never straight back to the one just left
+
+
 def test_replicas_that_leave_the_dns_answer_are_retired_once_their_sessions_end(monkeypatch):
     table = {"t": [(socket.AF_INET, "10.0.0.1"), (socket.AF_INET, "10.0.0.2")]}
 

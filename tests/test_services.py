@@ -170,6 +170,9 @@ def test_target_down_is_unavailable_and_orchestrator_recovers(tiny_models, tmp_p
             assert code == grpc.StatusCode.UNAVAILABLE, details
             stack.start_service("target")
             stack.wait_ready(120, ["target"])
+            # the orchestrator's health follows the target's: it is SERVING again once its probe
+            # (every probe_interval_s) reaches the restarted target over its reconnected channel
+            stack.wait_ready(10, ["orchestrator"])
             _ok(c)
 
 
