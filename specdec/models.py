@@ -199,13 +199,14 @@ def ready_hf_directory(src: ModelSource) -> Path | None:
     return converted if (converted / "config.json").exists() else None
 
 
-def load_tokenizer(src: ModelSource):
+def load_tokenizer(src: ModelSource, cached: bool = True):
     """The HF tokenizer of a source; for GGUF, from the converted copy when it exists. A tokenizer
     loaded from a directory is kept pickled in its load cache (`load_cache_dir`) and comes back
     from there while the directory's files and the transformers and tokenizers versions are the
-    same: the same object, without transformers' config and model imports (about 1.5 s)."""
+    same: the same object, without transformers' config and model imports. cached=False loads it
+    through transformers whatever the cache holds (and refreshes the cache)."""
     folder = _tokenizer_folder(src)
-    if folder is not None and (tok := _cached_tokenizer(folder)) is not None:
+    if cached and folder is not None and (tok := _cached_tokenizer(folder)) is not None:
         return tok
     from transformers import AutoTokenizer
 
