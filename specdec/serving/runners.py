@@ -59,7 +59,7 @@ def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
         log.warning("dtype int4 is the CPU precision (torch's CPU int4 kernel): running %s in bfloat16 on %s",
                     cfg.model, device)
         dtype = "bfloat16"
-    config = stored_model.config(src) if cfg.load_manifest else None
+    config = stored_model.config(src) if cfg.load_manifest and torch.device(device).type == "cpu" else None
     if config is None:
         from transformers import AutoConfig
 

@@ -58,12 +58,13 @@ def _key(directory: Path) -> dict:
 
 
 def _read(directory: Path) -> dict | None:
-    """The manifest of `directory` if its key still holds, else None."""
+    """The manifest of `directory` if its key still holds, else None (also when it cannot be read
+    or its key cannot be made, e.g. a package without its metadata)."""
     try:
         manifest = json.loads((models.load_cache_dir(directory, create=False) / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
+        return manifest if manifest.get("key") == _key(directory) else None
+    except Exception:  # noqa: BLE001 - a cache: load through transformers
         return None
-    return manifest if manifest.get("key") == _key(directory) else None
 
 
 def config(src: models.ModelSource) -> SimpleNamespace | None:
