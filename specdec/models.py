@@ -210,10 +210,11 @@ def load_tokenizer(src: ModelSource, cached: bool = True):
         return tok
     from transformers import AutoTokenizer
 
+    key = _tokenizer_key(folder) if folder is not None else None  # the files as they are before loading
     tok = AutoTokenizer.from_pretrained(folder) if folder is not None else \
         AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
-    if folder is not None:
-        _store_tokenizer(folder, tok)
+    if key is not None:
+        _store_tokenizer(folder, tok, key)
     return tok
 
 
@@ -229,10 +230,17 @@ TOKENIZER_PACKAGES = ("transformers", "tokenizers")  # what a pickled tokenizer 
 _TOKENIZER_PICKLE, _TOKENIZER_KEY = "tokenizer.pkl", "tokenizer-key.json"
 
 
+def _tokenizer_key(folder: Path) -> dict | None:
+    try:
+        return directory_key(folder, TOKENIZER_PACKAGES)
+    except Exception:  # noqa: BLE001 - e.g. a package without its metadata: no cache
+        return None
+
+
 def _cached_tokenizer(folder: Path):
     cache = load_cache_dir(folder, create=False)
     try:
-        if json.loads((cache / _TOKENIZER_KEY).read_text()) != directory_key(folder, TOKENIZER_PACKAGES):
+        if json.loads((cache / _TOKENIZER_KEY).read_text()) != _tokenizer_key(folder):
             return None
         with open(cache / _TOKENIZER_PICKLE, "rb") as f:
             return pickle.load(f)  # our own cache folder, written by _store_tokenizer
@@ -240,13 +248,11 @@ def _cached_tokenizer(folder: Path):
         return None
 
 
-def _store_tokenizer(folder: Path, tok) -> None:
+def _store_tokenizer(folder: Path, tok, key: dict) -> None:
     try:
         cache = load_cache_dir(folder)
-        with tempfile.NamedTemporaryFile(dir=cache, delete=False) as f:
-            pickle.dump(tok, f)
-        os.replace(f.name, cache / _TOKENIZER_PICKLE)
-        write_atomically(cache / _TOKENIZER_KEY, json.dumps(directory_key(folder, TOKENIZER_PACKAGES)))
+        write_atomically(cache / _TOKENIZER_PICKLE, pickle.dumps(tok))
+        write_atomically(cache / _TOKENIZER_KEY, json.dumps(key))  # last: it makes the pickle valid
     except Exception:  # noqa: BLE001 - a cache: the tokenizer itself is loaded
         log.warning("could not cache the tokenizer of %s", folder, exc_info=True)
 
@@ -287,10 +293,16 @@ def directory_key(directory: Path, packages: tuple[str, ...]) -> dict:
             "packages": {p: importlib.metadata.version(p) for p in packages}}
 
 
-def write_atomically(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def load_model(src: ModelSource, dtype: str = "float32", device: str = "cpu"):
