@@ -76,6 +76,8 @@ def cmd_up(a) -> int:
             time.sleep(0.3)
         if stop["flag"]:
             return 0
+        if stack.with_draft:
+            _wait_for_drafting(cfg, stack.address("orchestrator"), min(10.0, max(0.0, deadline - time.monotonic())))
         print(f"specdec is up in {time.monotonic() - t0:.0f}s: orchestrator at {stack.address('orchestrator')} "
               f"(try: specdec generate 'Hello' --address {stack.address('orchestrator')}). Ctrl-C stops all three.",
               flush=True)
@@ -91,6 +93,32 @@ def cmd_up(a) -> int:
     finally:
         print("stopping services", flush=True)
         stack.stop()
+
+
+def _wait_for_drafting(cfg: SpecdecConfig, address: str, within_s: float) -> None:
+    """Once all three answer: wait until the orchestrator has probed the draft as available (its
+    monitor probes every probe_interval_s), so that "up" means requests draft. Says why when the
+    draft is not used. Skipped when the orchestrator asks for TLS or a token."""
+    if cfg.orchestrator.tls_cert_file or cfg.orchestrator.auth_token_file:
+        return
+    import grpc
+
+    from specdec.client import Client
+
+    deadline = time.monotonic() + within_s
+    info: dict = {}
+    with Client(address, timeout=5) as c:
+        while time.monotonic() < deadline:
+            try:
+                info = c.info()
+            except grpc.RpcError:
+                info = {}
+            if info.get("draft_available"):
+                print(f"  {'draft':<12} drafting for the orchestrator", flush=True)
+                return
+            time.sleep(0.1)
+    print(f"  the orchestrator does not use the draft yet: {info.get('draft_problem') or 'not probed as available'}",
+          flush=True)
 
 
 # -- specdec generate ----------------------------------------------------------------------

@@ -37,11 +37,14 @@ def test_up_serves_and_sigterm_stops_all(tiny_models, tmp_path):
                 break
         assert any("specdec is up" in x for x in lines), "".join(lines)
         assert sum("healthy on" in x for x in lines) == 3
+        assert any("drafting for the orchestrator" in x for x in lines), "".join(lines)  # "up" means it drafts
         children = _children_alive(p.pid)
         assert len(children) == 3
         with Client(f"127.0.0.1:{port}") as c:
-            res = c.complete("hello", max_tokens=6, ignore_eos=True)
-        assert len(res.token_ids) == 6 and res.stats["draft_tokens"] > 0
+            # a greedy request's first rounds do not wait for its draft session to open: enough
+            # tokens that later rounds draft
+            res = c.complete("hello", max_tokens=24, ignore_eos=True)
+        assert len(res.token_ids) == 24 and res.stats["draft_tokens"] > 0
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0
         time.sleep(0.5)
