@@ -697,14 +697,15 @@ class PagedLlamaRunner:
             pool_tokens = kv_pool_tokens_for_memory(memory_share_bytes, weight_bytes, kv_bytes_per_token,
                                                     activation_reserve, block_size)
         num_blocks = max(1, -(-pool_tokens // block_size))
-        if tok is None and model.rope_positions < _max_context(model.config, num_blocks * block_size):
+        max_context = _max_context(model.config, num_blocks * block_size)
+        if tok is None and model.rope_positions < max_context:
             model, tok = models.load_model(src, load_dtype, device), models.load_tokenizer(src)  # tables too short
         if tok is None:
             fingerprint, eos = model.fingerprint, model.eos_token_ids
         else:
             fingerprint, eos = models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config)
             if warm:  # before _build consumes the model
-                stored_model.record(src, model, tok, load_dtype, _max_context(model.config, num_blocks * block_size))
+                stored_model.record(src, model, tok, load_dtype, max_context)
         return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=True,
                           int4=dtype == INT4, int4_make=stored_int4(src.directory, *stored) if stored else None,
                           int4_head=int4_head, cpu_kernels=cpu_kernels, int4_activations=int4_activations)

@@ -25,12 +25,10 @@ models, not stored INT4 checkpoints (their codes are read separately), not GPUs.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,12 +47,18 @@ _SHAPING_SOURCES = ("stored_model.py", "paged_llama.py", "../hf_compat.py", "../
 PACKAGES = ("torch", "transformers", "safetensors")  # whose versions the manifest depends on
 
 
-def _key(directory: Path) -> dict:
+@functools.cache
+def _code_hash() -> str:
+    """sha256 of the modules that shape extraction (they do not change while a process runs)."""
     here = Path(__file__).parent
     code = hashlib.sha256()
     for name in _SHAPING_SOURCES:
         code.update((here / name).read_bytes())
-    return {"version": VERSION, **models.directory_key(directory, PACKAGES), "code": code.hexdigest()}
+    return code.hexdigest()
+
+
+def _key(directory: Path) -> dict:
+    return {"version": VERSION, **models.directory_key(directory, PACKAGES), "code": _code_hash()}
 
 
 def _read(directory: Path) -> dict | None:
@@ -67,17 +71,21 @@ def _read(directory: Path) -> dict | None:
         return None
 
 
+def _manifest_of(src: models.ModelSource) -> tuple[Path | None, dict | None]:
+    """`src`'s Hugging Face directory (None when there is none yet) and its valid manifest, if any."""
+    directory = models.ready_hf_directory(src)
+    return directory, _read(directory) if directory is not None else None
+
+
 def config(src: models.ModelSource) -> SimpleNamespace | None:
     """The model's config from a valid manifest (attributes as transformers' config has them)."""
-    directory = models.ready_hf_directory(src)
-    manifest = _read(directory) if directory is not None else None
+    _, manifest = _manifest_of(src)
     return SimpleNamespace(**manifest["config"]) if manifest else None
 
 
 def tokenizer_facts(src: models.ModelSource) -> tuple[str, list[int]] | None:
     """(fingerprint, EOS ids of the tokenizer alone) from a valid manifest."""
-    directory = models.ready_hf_directory(src)
-    manifest = _read(directory) if directory is not None else None
+    _, manifest = _manifest_of(src)
     return (manifest["fingerprint"], manifest["eos_tokenizer"]) if manifest else None
 
 
@@ -106,7 +114,7 @@ def record(src: models.ModelSource, model: torch.nn.Module, tokenizer, dtype: st
 
 def _record(directory: Path, model: torch.nn.Module, tokenizer, dtype: str, positions: int) -> None:
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from specdec import hf_compat
 
@@ -145,20 +153,14 @@ def _record(directory: Path, model: torch.nn.Module, tokenizer, dtype: str, posi
                 "eos_tokenizer": models.eos_token_ids(tokenizer),
                 "eos_model": models.eos_token_ids(tokenizer, model.config)}
     out = models.load_cache_dir(directory)
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".tmp-"))
-    try:
-        if direct:
-            max_pos = int(getattr(model.config, "max_position_embeddings", positions) or positions)
-            n = max(positions, min(max_pos, MAX_STORED_POSITIONS))
-            cos, sin = hf_compat.rope_tables(model, n, torch.float32, "cpu")  # [n, D] each
-            rope = f"rope-{n}.safetensors"  # named by its length: a concurrent writer's tables never mix in
-            save_file({"cos": cos, "sin": sin}, str(tmp / rope))
-            manifest.update(rope_positions=n, rope_file=rope)
-            os.replace(tmp / rope, out / rope)
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest))
-        os.replace(tmp / MANIFEST_FILE, out / MANIFEST_FILE)  # last: it marks the entry complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if direct:
+        max_pos = int(getattr(model.config, "max_position_embeddings", positions) or positions)
+        n = max(positions, min(max_pos, MAX_STORED_POSITIONS))
+        cos, sin = hf_compat.rope_tables(model, n, torch.float32, "cpu")  # [n, D] each
+        rope = f"rope-{n}.safetensors"  # named by its length: a concurrent writer's tables never mix in
+        models.write_atomically(out / rope, save({"cos": cos, "sin": sin}))
+        manifest.update(rope_positions=n, rope_file=rope)
+    models.write_atomically(out / MANIFEST_FILE, json.dumps(manifest))  # last: it marks the entry complete
     log.info("wrote the load manifest of %s (%s)", directory, "direct" if direct else "cold loads only")
     for f in out.glob("rope-*.safetensors"):  # tables an earlier manifest named
         if f.name != manifest.get("rope_file"):
@@ -211,11 +213,11 @@ class _StoredRotary:
 class StoredModel:
     """The tensors and facts of a model as its manifest lists them (the warm load)."""
 
-    def __init__(self, manifest: dict, root: _Node, rope_positions: int) -> None:
+    def __init__(self, manifest: dict, root: _Node) -> None:
         self.config = SimpleNamespace(**manifest["config"])
         self.fingerprint: str = manifest["fingerprint"]
         self.eos_token_ids: list[int] = manifest["eos_model"]
-        self.rope_positions = rope_positions
+        self.rope_positions: int = manifest["rope_positions"]
         self._manifest = manifest
         self._root = root
 
@@ -248,10 +250,9 @@ class StoredModel:
 def open_stored(src: models.ModelSource, dtype: str) -> StoredModel | None:
     """The warm load: `src`'s tensors in `dtype` (CPU) from a valid manifest, or None (load cold:
     no manifest, a stale one, or any failure reading it)."""
-    directory = models.ready_hf_directory(src)
-    if directory is None or dtype not in _DTYPES:
+    if dtype not in _DTYPES:
         return None
-    manifest = _read(directory)
+    directory, manifest = _manifest_of(src)
     if manifest is None or not manifest["direct"] or dtype not in manifest["dtypes"]:
         return None
     try:
@@ -279,4 +280,4 @@ def _open(directory: Path, manifest: dict, dtype: torch.dtype) -> StoredModel:
     with safe_open(str(models.load_cache_dir(directory, create=False) / manifest["rope_file"]), framework="pt") as st:
         rotary = _StoredRotary(st.get_tensor("cos"), st.get_tensor("sin"))
     setattr(root.walk(manifest["decoder"]), "rotary_emb", rotary)
-    return StoredModel(manifest, root, manifest["rope_positions"])
+    return StoredModel(manifest, root)
