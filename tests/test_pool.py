@@ -174,6 +174,41 @@ def test_waiters_are_admitted_in_order():
     asyncio.run(go())
 
 
+def test_a_service_that_does_not_queue_waits_for_closed_sessions_room_in_order_and_only_while_it_is_on_its_way():
+    """The draft (wait_s 0) once refused under CI load: a newcomer waited a fixed 2 s for room a
+    closed session was giving back, the machine stalled longer, and newcomers could also overtake
+    it. Now it waits as long as room is on its way (a stall past the old 2 s included), nobody
+    overtakes it, and it is refused as soon as every closed session's room is back and it still
+    does not fit."""
+    bm = BlockManager(num_blocks=8, block_size=4, max_seqs=2)
+    adm = Admission(bm, wait_s=0.0, max_waiting=0)
+
+    async def go():
+        a, b = await adm.reserve(16), await adm.reserve(8)  # both sequence slots, 6 of 8 blocks
+        adm.releasing()  # a was closed; its free is late (a stalled model thread)
+        first = asyncio.ensure_future(adm.reserve(4))
+        await asyncio.sleep(0.05)
+        assert adm.waiting == 1
+        # a newcomer that would fit once a slot is free queues behind it, it does not overtake
+        second = asyncio.ensure_future(adm.reserve(4))
+        await asyncio.sleep(2.2)  # longer than the old fixed release wait
+        assert not first.done() and not second.done() and adm.waiting == 2
+        threading.Thread(target=lambda: (bm.free(a), adm.released())).start()  # the model thread frees a
+        assert await asyncio.wait_for(first, 1) == a
+        # nothing is on its way any more and no slot is free: the second is refused at once
+        with pytest.raises(ResourceExhausted, match="does not queue"):
+            await asyncio.wait_for(second, 1)
+        assert adm.waiting == 0
+        with pytest.raises(ResourceExhausted, match="does not queue"):
+            await adm.reserve(4)  # and so is a newcomer, without waiting
+        return b
+
+    t0 = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - t0 < 4.0 and adm.refused == 2
+    assert bm.stats().sequences == 2 and bm.stats().reserved_blocks == 3
+
+
 # -- through the services ----------------------------------------------------------------------------
 
 def pool_stack(tiny_models, tmp_path_factory, wait_s: float):

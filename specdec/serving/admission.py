@@ -3,10 +3,13 @@
 A request is admitted only if its blocks can be guaranteed (see `BlockManager.reserve`), so
 an admitted request never fails for lack of KV. When the pool is full, newcomers wait in a
 bounded FIFO queue for at most `wait_s`, then get RESOURCE_EXHAUSTED with a clear message;
-running requests are not affected. A closed session's sequence is freed by the model thread
-between steps: until then its room counts as on its way (`releasing`), so a newcomer waits
-for it (at most `RELEASE_WAIT_S`) even in a service that does not queue. Lives on the service's
-event loop; `released` may be called from any thread.
+running requests are not affected, and nobody overtakes a waiting request. A closed session's
+sequence is freed by the model thread between steps: until then its room counts as on its way
+(`releasing`), so even in a service that does not queue a newcomer waits for it, for as long as
+room is still on its way (a stalled machine must not turn a returning slot into a refusal), at
+most `RELEASE_WAIT_S`, and is refused as soon as every closed session has given its room back
+and it still does not fit. Lives on the service's event loop; `released` may be called from any
+thread.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ class _Waiter:
     taken: bool = False  # the waiting request got its sequence
 
 
-RELEASE_WAIT_S = 2.0  # how long a newcomer waits for room that a closed session is giving back
+RELEASE_WAIT_S = 10.0  # the most a newcomer waits for room that closed sessions are giving back (a stall bound;
+# it is refused as soon as nothing is on its way any more)
 
 
 class Admission:
@@ -57,26 +61,32 @@ class Admission:
             raise ResourceExhausted(f"the request needs {tokens} tokens of KV but the whole {self.what} holds "
                                     f"{self.blocks.capacity_tokens}")
         releasing = self._releasing  # read before trying: the model thread may free them meanwhile
-        if not self._waiting or self.wait_s <= 0:  # FIFO: no overtaking a queue (there is none without waits)
+        if not self._waiting:  # FIFO: nobody overtakes a waiting request
             try:
                 return self.blocks.reserve(tokens)
             except PoolFull:
                 pass
-        wait_s = self.wait_s if self.wait_s > 0 else (RELEASE_WAIT_S if releasing or self._releasing else 0.0)
-        if len(self._waiting) >= self.max_waiting or wait_s <= 0:
+        queues = self.wait_s > 0
+        if queues and len(self._waiting) >= self.max_waiting:
             self.refused += 1
             raise ResourceExhausted(f"the {self.what} is full ({self._usage()}) and "
-                                    + (f"{len(self._waiting)} requests are already waiting" if self.wait_s > 0
-                                       else "this service does not queue"))
+                                    f"{len(self._waiting)} requests are already waiting")
+        if not queues and not (releasing or self._releasing or self._waiting):
+            self.refused += 1
+            raise ResourceExhausted(f"the {self.what} is full ({self._usage()}) and this service does not queue")
+        wait_s = self.wait_s if queues else RELEASE_WAIT_S
         waiter = _Waiter(tokens, self._loop.create_future())
         self._waiting.append(waiter)
-        self._admit()  # room freed since the try above found no waiter to admit
+        self._admit()  # room freed since the try above, or nothing on its way any more
         try:
             seq = await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
         except asyncio.TimeoutError:
             self.refused += 1
             raise ResourceExhausted(f"the {self.what} stayed full for {wait_s:g} s ({self._usage()}); "
                                     f"try again later") from None
+        except ResourceExhausted:
+            self.refused += 1
+            raise
         else:
             waiter.taken = True
             self.last_wait_s = time.monotonic() - t0
@@ -84,8 +94,9 @@ class Admission:
         finally:
             if waiter in self._waiting:
                 self._waiting.remove(waiter)
-            if not waiter.taken and waiter.future.done() and not waiter.future.cancelled():
-                self.blocks.free(waiter.future.result())  # admitted just as it gave up: give it back
+            f = waiter.future
+            if not waiter.taken and f.done() and not f.cancelled() and f.exception() is None:
+                self.blocks.free(f.result())  # admitted just as it gave up: give it back
                 self._admit()
 
     def releasing(self) -> None:
@@ -101,10 +112,23 @@ class Admission:
             self._loop.call_soon_threadsafe(self._admit)
 
     def _admit(self) -> None:
-        while self._waiting and self.blocks.can_reserve(self._waiting[0].tokens):
-            w = self._waiting.popleft()
-            if not w.future.done():
+        """(event loop) Admit the waiters that now fit, in order; in a service that does not queue,
+        refuse those that cannot fit once no closed session's room is on its way any more."""
+        while self._waiting:
+            w = self._waiting[0]
+            releasing = self._releasing  # read before the check: a free lands before its count drops
+            if w.future.done():
+                self._waiting.popleft()
+            elif self.blocks.can_reserve(w.tokens):
+                self._waiting.popleft()
                 w.future.set_result(self.blocks.reserve(w.tokens))
+            elif self.wait_s <= 0 and not releasing:
+                self._waiting.popleft()
+                w.future.set_exception(ResourceExhausted(
+                    f"the {self.what} is full ({self._usage()}), the room closed sessions gave back was not "
+                    f"enough, and this service does not queue"))
+            else:
+                return
 
     def _usage(self) -> str:
         s = self.blocks.stats()
