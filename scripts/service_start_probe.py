@@ -1,15 +1,20 @@
-"""How long a service takes to start serving, with and without its load manifest, and how long
-the default tokenizer takes to load, pickled or through transformers (README "Service start",
-BENCHMARKS §6t).
+"""How long a service takes to start serving: from its kept built weights, from its load
+manifest, or through transformers; and how long the default tokenizer takes to load, pickled or
+through transformers (README "Service start", BENCHMARKS §6t, §6u).
 
     python scripts/service_start_probe.py [--reps 5] [--services target,draft,stack,tokenizer]
 
 Each run starts the default configuration's service (or the whole stack) as a fresh process
 and times it from the process start to its health check answering SERVING (polled every
-20 ms). `load_manifest` on and off alternate run by run, after one untimed start that writes
-the manifests; the table gives the median, min and max. `tokenizer` times
-`models.load_tokenizer` in a fresh process (after importing torch, as every service does),
-from the load cache's pickle (on) or through transformers (off).
+20 ms). The three ways rotate run by run, after one untimed start that writes the manifests
+and the built weights: `built` (the defaults: load_manifest and keep_built_weights on),
+`manifest` (keep_built_weights off: the tensors from the manifest, packed again), `cold`
+(load_manifest off: through transformers). The table gives the median, min and max.
+`tokenizer` times `models.load_tokenizer` in a fresh process (after importing torch, as every
+service does), from the load cache's pickle (built, manifest) or through transformers (cold).
+`target-runner` and `draft-runner` time `runners.load_runner` alone in a fresh process (torch
+imported, one thread) and add its peak RSS; the built-weight files of the default model
+directory are listed at the end.
 """
 from __future__ import annotations
 
@@ -27,13 +32,30 @@ TOKENIZER_LOAD = ("import time, torch; from specdec import models; src = models.
                   "t = time.perf_counter(); models.load_tokenizer(src, cached={cached}); print(time.perf_counter() - t)")
 
 
-def start_seconds(service: str, manifest: bool) -> float:
+RUNNER_LOAD = ("import resource, time, torch; torch.set_num_threads(1); from specdec.launcher import local_config; "
+               "from specdec.serving import runners; c = local_config().{service}; c.engine = 'torch'; "
+               "c.load_manifest, c.keep_built_weights = {manifest}, {built}; t = time.perf_counter(); "
+               "runners.load_runner(c, 'cpu'); "
+               "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+WAYS = ("built", "manifest", "cold")
+PEAK_RSS_MB: dict[tuple[str, str], list[float]] = {}
+
+
+def start_seconds(service: str, way: str) -> float:
     if service == "tokenizer":
-        code = TOKENIZER_LOAD.format(cached=manifest)
+        code = TOKENIZER_LOAD.format(cached=way != "cold")
         return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                     check=True).stdout.split()[-1])
+    if service.endswith("-runner"):
+        code = RUNNER_LOAD.format(service=service.removesuffix("-runner"), manifest=way != "cold",
+                                  built=way == "built")
+        seconds, rss = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                 check=True).stdout.split()[-2:])
+        PEAK_RSS_MB.setdefault((service, way), []).append(rss)
+        return seconds
     cfg = local_config()
-    cfg.target.load_manifest = cfg.draft.load_manifest = manifest
+    for c in (cfg.target, cfg.draft):
+        c.load_manifest, c.keep_built_weights = way != "cold", way == "built"
     names = list(SERVICES) if service == "stack" else [service]
     with Stack(cfg, tempfile.mkdtemp(prefix="specdec-start-")) as stack:
         t0 = time.perf_counter()
@@ -57,18 +79,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--services", default="target,draft,stack,tokenizer")
     args = ap.parse_args()
-    print("| start | load manifest (tokenizer: its pickle) | median s | min | max |")
-    print("|---|---|---|---|---|")
+    print("| start | from | median s | min | max | peak RSS MB (runners) |")
+    print("|---|---|---|---|---|---|")
     for service in args.services.split(","):
-        start_seconds(service, True)  # untimed: writes the manifests if they are missing
-        times: dict[bool, list[float]] = {True: [], False: []}
+        start_seconds(service, "built")  # untimed: writes the manifests and built weights if they are missing
+        times: dict[str, list[float]] = {way: [] for way in WAYS}
         for rep in range(args.reps):
-            for manifest in ((True, False) if rep % 2 == 0 else (False, True)):
-                times[manifest].append(start_seconds(service, manifest))
-        for manifest in (True, False):
-            t = times[manifest]
-            print(f"| {service} | {'on' if manifest else 'off'} | {statistics.median(t):.2f} | {min(t):.2f} | "
-                  f"{max(t):.2f} |", flush=True)
+            for way in WAYS[rep % 3:] + WAYS[:rep % 3]:
+                times[way].append(start_seconds(service, way))
+        for way in WAYS:
+            t = times[way]
+            rss = PEAK_RSS_MB.get((service, way))
+            print(f"| {service} | {way} | {statistics.median(t):.2f} | {min(t):.2f} | {max(t):.2f} | "
+                  f"{f'{statistics.median(rss):.0f}' if rss else ''} |", flush=True)
+    from specdec import models
+
+    directory = models.hf_directory(models.resolve(models.DEFAULT_TARGET_MODEL))
+    for f in sorted(models.load_cache_dir(directory, create=False).glob("built-*.safetensors")):
+        print(f"{f.name}: {f.stat().st_size / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

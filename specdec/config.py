@@ -77,6 +77,10 @@ class ModelServiceConfig(ServiceConfig):
     # on the CPU, a model loaded once through transformers loads again from its load manifest (the same
     # tensors, checked equal when written; specdec/serving/stored_model.py) without importing transformers
     load_manifest: bool = True
+    # with the load manifest, the runner keeps what it built from the model (matrices packed and
+    # quantized for specdec's kernels) next to it, and a later start maps that back instead of building
+    # it again (one file per set of build options, at most 3 per model; stored_model.keep_built)
+    keep_built_weights: bool = True
 
 
 @dataclass

@@ -168,3 +168,93 @@ def test_a_changed_tokenizer_is_loaded_again(tmp_path, smol_tokenizer):
     other.add_tokens(["<specdec_new_token>"])
     other.save_pretrained(path)
     assert "<specdec_new_token>" in models.load_tokenizer(src).get_vocab()
+
+
+# -- built weights (stored_model.keep_built / open_built, tensor_tree) --------------------------------
+
+def built_files(path) -> list:
+    return sorted(models.load_cache_dir(path, create=False).glob("built-*.safetensors"))
+
+
+def no_manifest_load(monkeypatch):
+    """Make the manifest's warm load fail too: what follows must come from the built weights."""
+    no_cold_load(monkeypatch)
+    monkeypatch.setattr(stored_model, "open_stored",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("built the weights again")))
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "int4"),
+                                        ("qwen2", "int4"), ("llama", "bfloat16")])
+def test_built_weights_are_kept_and_give_the_built_runner_bit_for_bit(kind, dtype, tmp_path, smol_tokenizer,
+                                                                      monkeypatch):
+    path = save(tiny_model(kind), smol_tokenizer, tmp_path / kind)
+    cold = PagedLlamaRunner.load(str(path), dtype, pool_tokens=POOL, max_seqs=4)
+    assert len(built_files(path)) == 1  # kept right after the first build
+    with monkeypatch.context() as m:
+        no_manifest_load(m)
+        kept = PagedLlamaRunner.load(str(path), dtype, pool_tokens=POOL, max_seqs=4)
+    for f in built_files(path):
+        f.unlink()
+    with monkeypatch.context() as m:
+        no_cold_load(m)
+        rebuilt = PagedLlamaRunner.load(str(path), dtype, pool_tokens=POOL, max_seqs=4)  # manifest, built again
+    assert len(built_files(path)) == 1
+    reference = logits(cold)
+    for runner in (kept, rebuilt):
+        assert runner.facts == cold.facts and runner.arch == cold.arch
+        assert runner.pool.k.dtype == cold.pool.k.dtype and runner.pool.k.shape == cold.pool.k.shape
+        assert runner.weights.nbytes() == cold.weights.nbytes()
+        assert [type(m) for m in runner.weights.matrices()] == [type(m) for m in cold.weights.matrices()]
+        assert runner.weights.embed_is_head() == cold.weights.embed_is_head()  # a tied head stays one copy
+        assert torch.equal(runner.weights.cos, cold.weights.cos) and torch.equal(runner.weights.sin, cold.weights.sin)
+        assert torch.equal(logits(runner), reference)
+
+
+def test_built_weights_serve_a_shorter_context_and_other_options_get_their_own(tmp_path, smol_tokenizer,
+                                                                                monkeypatch):
+    path = save(tiny_model("llama"), smol_tokenizer, tmp_path / "m")
+    PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=4)
+    with monkeypatch.context() as m:
+        no_manifest_load(m)
+        short = PagedLlamaRunner.load(str(path), "int4", pool_tokens=128, max_seqs=2)  # RoPE rows 0..127 of 256
+    for f in built_files(path):
+        f.unlink()
+    reference = PagedLlamaRunner.load(str(path), "int4", pool_tokens=128, max_seqs=2)  # built for 128
+    assert short.arch == reference.arch and short.arch.max_context == 128
+    assert torch.equal(short.weights.cos, reference.weights.cos) and short.weights.cos.shape[0] == 128
+    assert torch.equal(logits(short), logits(reference))
+    # the built file has the whole table (the model's 256 positions), whatever pool built it
+    with monkeypatch.context() as m:
+        no_manifest_load(m)
+        assert PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=2).arch.max_context == POOL
+    # other options: another file, next to the first (and never more than MAX_BUILT)
+    PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=2, int4_head="q8_0")
+    PagedLlamaRunner.load(str(path), "float32", pool_tokens=POOL, max_seqs=2)
+    assert len(built_files(path)) == 3
+    PagedLlamaRunner.load(str(path), "bfloat16", pool_tokens=POOL, max_seqs=2)
+    assert len(built_files(path)) == stored_model.MAX_BUILT == 3
+
+
+def test_a_damaged_built_file_is_built_again(tmp_path, smol_tokenizer, monkeypatch, caplog):
+    path = save(tiny_model("qwen2"), smol_tokenizer, tmp_path / "m")
+    reference = logits(PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=4))
+    (built,) = built_files(path)
+    data = bytearray(built.read_bytes())
+    built.write_bytes(bytes(data[: len(data) // 2]))  # cut short
+    with monkeypatch.context() as m:
+        no_cold_load(m)
+        again = PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=4)
+    assert "could not read the built weights" in caplog.text
+    assert torch.equal(logits(again), reference) and len(built_files(path)) == 1
+    with monkeypatch.context() as m:
+        no_manifest_load(m)  # and the file written again is whole
+        assert torch.equal(logits(PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=4)), reference)
+
+
+def test_a_new_manifest_drops_the_weights_built_under_the_old_one(tmp_path, smol_tokenizer):
+    path = save(tiny_model("llama", seed=0), smol_tokenizer, tmp_path / "m")
+    PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=2)
+    (old,) = built_files(path)
+    save(tiny_model("llama", seed=1), smol_tokenizer, path)  # new files: a new key
+    PagedLlamaRunner.load(str(path), "int4", pool_tokens=POOL, max_seqs=2)
+    assert [f.name for f in built_files(path)] != [old.name] and len(built_files(path)) == 1

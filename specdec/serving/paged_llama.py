@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -638,6 +639,16 @@ def supports(config) -> bool:
     return heads % kv_heads == 0
 
 
+# what a runner's built weights may hold (stored_model.keep_built / open_built)
+_KEPT_CLASSES = {c.__name__: c for c in (Weights, LayerWeights, Arch, PackedF32Weight, CodesF32Weight,
+                                         PackedInt4Weight, PackedInt8Weight, PackedQ8Weight, Int4Weight, Int8Weight)}
+
+
+def _kernels_built() -> list[bool]:
+    """Which of specdec's CPU kernels this machine has (they decide how weights are packed)."""
+    return [cpu_gemm.skinny() is not None, cpu_gemm.dequant() is not None, cpu_gemm.lowbit() is not None]
+
+
 class PagedLlamaRunner:
     """A BatchRunner for the Llama family over a paged KV pool (see the module docstring)."""
 
@@ -668,7 +679,7 @@ class PagedLlamaRunner:
     def load(cls, spec: str, dtype: str = "float32", device: str = "cpu", pool_tokens: int = 16384,
              block_size: int = 16, max_seqs: int = 64, memory_share_bytes: int = 0,
              activation_reserve: float = 0.1, int4_head: str = "bfloat16", cpu_kernels: str = "specdec",
-             int4_activations: int = 8, manifest: bool = True) -> "PagedLlamaRunner":
+             int4_activations: int = 8, manifest: bool = True, keep_built: bool = True) -> "PagedLlamaRunner":
         """Load a model spec (see specdec.models); the pool holds `pool_tokens` tokens (rounded up),
         or with pool_tokens = 0 what fits in `memory_share_bytes` after the weights and the
         `activation_reserve` fraction of the share (devices.kv_pool_tokens_for_memory).
@@ -677,7 +688,9 @@ class PagedLlamaRunner:
         `int4_activations`-bit activations (8 | 16). cpu_kernels: on the CPU, float32 and int4 run in
         specdec's kernels ("specdec", where they build; module docstring) or torch's ("torch").
         manifest: on the CPU, load from the model's load manifest when it has one, without
-        transformers, and write one after a load through transformers (specdec.serving.stored_model)."""
+        transformers, and write one after a load through transformers (specdec.serving.stored_model);
+        keep_built: with the manifest, start from the weights an earlier load built and kept, and keep
+        those built here (stored_model.keep_built)."""
         if dtype not in PRECISIONS:
             raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
         if dtype == INT4 and torch.device(device).type != "cpu":
@@ -686,6 +699,16 @@ class PagedLlamaRunner:
         stored = models.int4_checkpoint(src) if dtype == INT4 else None  # (group, symmetric) of its codes
         load_dtype = "float32" if dtype == INT4 and stored is None else "bfloat16" if dtype == INT4 else dtype
         warm = manifest and stored is None and torch.device(device).type == "cpu"
+        options = {"dtype": dtype, "int4_head": int4_head if dtype == INT4 else None, "cpu_kernels": cpu_kernels,
+                   "int4_activations": int4_activations,
+                   "kernels": _kernels_built() if cpu_kernels != "torch" else None}
+        keep_built = warm and keep_built
+        kept_tried = keep_built and pool_tokens > 0  # (a pool sized from memory needs the model's own bytes)
+        if kept_tried:  # the weights as an earlier start built them
+            runner = cls._from_kept(stored_model.built_file(src, options), spec, -(-pool_tokens // block_size),
+                                    block_size, max_seqs, dtype == INT4, cpu_kernels)
+            if runner is not None:
+                return runner
         model = stored_model.open_stored(src, load_dtype) if warm else None  # None: load cold
         tok = None
         if model is None:
@@ -706,9 +729,52 @@ class PagedLlamaRunner:
             fingerprint, eos = models.tokenizer_fingerprint(tok), models.eos_token_ids(tok, model.config)
             if warm:  # before _build consumes the model
                 stored_model.record(src, model, tok, load_dtype, max_context)
-        return cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=True,
-                          int4=dtype == INT4, int4_make=stored_int4(src.directory, *stored) if stored else None,
-                          int4_head=int4_head, cpu_kernels=cpu_kernels, int4_activations=int4_activations)
+        runner = cls._build(model, spec, fingerprint, eos, num_blocks, block_size, max_seqs, consume=True,
+                            int4=dtype == INT4, int4_make=stored_int4(src.directory, *stored) if stored else None,
+                            int4_head=int4_head, cpu_kernels=cpu_kernels, int4_activations=int4_activations)
+        path = stored_model.built_file(src, options) if keep_built else None
+        if path is not None and (kept_tried or not path.exists()):  # missing, unreadable or too short
+            runner._keep(path, model)
+        return runner
+
+    def _keep(self, path: Path, model) -> None:
+        """Keep the built weights at `path` (stored_model.keep_built), with RoPE tables for every
+        position the model may reach (up to the manifest's MAX_STORED_POSITIONS), so that a load
+        for any pool finds them long enough."""
+        limit = _max_context(model.config, 1 << 62)
+        n = max(self.arch.max_context, min(limit, stored_model.MAX_STORED_POSITIONS))
+        weights, arch = self.weights, self.arch
+        if n > arch.max_context:
+            try:
+                cos, sin = hf_compat.rope_tables(model, n, model.get_input_embeddings().weight.dtype, "cpu")
+            except ValueError:  # the stored tables are shorter: keep those built
+                pass
+            else:
+                weights = dataclasses.replace(weights, cos=cos.to(weights.cos.dtype), sin=sin.to(weights.sin.dtype))
+                arch = dataclasses.replace(arch, max_context=n)
+        kv_dtype = {dt: name for name, dt in _DTYPES.items()}[self.pool.k.dtype]
+        stored_model.keep_built(path, (weights, arch, limit, self.facts.fingerprint, list(self.facts.eos_token_ids),
+                                       kv_dtype), _KEPT_CLASSES)
+
+    @classmethod
+    def _from_kept(cls, path, spec: str, num_blocks: int, block_size: int, max_seqs: int, int4: bool,
+                   cpu_kernels: str) -> "PagedLlamaRunner | None":
+        """A runner over the weights kept at `path` (see _keep), or None when there are none for this
+        context: build them."""
+        kept = stored_model.open_built(path, _KEPT_CLASSES)
+        if kept is None:
+            return None
+        weights, arch, limit, fingerprint, eos, kv_dtype = kept
+        if not (isinstance(weights, Weights) and isinstance(arch, Arch) and kv_dtype in _DTYPES):
+            return None
+        blocks = BlockManager(num_blocks, block_size, max_seqs)
+        max_context = min(limit, blocks.capacity_tokens)
+        if max_context > arch.max_context:
+            return None
+        weights = dataclasses.replace(weights, cos=weights.cos[:max_context], sin=weights.sin[:max_context])
+        arch = dataclasses.replace(arch, max_context=max_context)
+        return cls._assemble(weights, arch, blocks, _DTYPES[kv_dtype], spec, fingerprint, eos, int4, cpu_kernels,
+                             torch.device("cpu"))
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, tokenizer=None, spec: str = "", num_blocks: int = 256,
@@ -754,10 +820,18 @@ class PagedLlamaRunner:
                                   torch.bfloat16)
             elif ours and packable_f32(weights) and cpu_gemm.skinny() is not None:
                 weights = pack_f32(weights, codes=cpu_kernels == "specdec" and cpu_gemm.dequant() is not None)
-            pool = KVPool.allocate(arch, num_blocks + 1, block_size, dtype, device)  # + the scratch block
+        return cls._assemble(weights, arch, blocks, dtype, spec, fingerprint, eos, int4, cpu_kernels, device)
+
+    @classmethod
+    def _assemble(cls, weights: Weights, arch: Arch, blocks: BlockManager, dtype: torch.dtype, spec: str,
+                  fingerprint: str, eos: list[int], int4: bool, cpu_kernels: str, device: torch.device
+                  ) -> "PagedLlamaRunner":
+        """The runner over built weights: its KV pool (in `dtype`), facts and fused int4 layers."""
+        with torch.inference_mode():
+            pool = KVPool.allocate(arch, blocks.num_blocks + 1, blocks.block_size, dtype, device)  # + the scratch block
         dtype_name = INT4 if int4 else {dt: name for name, dt in _DTYPES.items()}.get(dtype, str(dtype))
         facts = ModelFacts(model=spec, engine="torch", fingerprint=fingerprint, vocab_size=arch.vocab,
-                           max_context=max_context, eos_token_ids=list(eos), dtype=dtype_name, device=str(device),
+                           max_context=arch.max_context, eos_token_ids=list(eos), dtype=dtype_name, device=str(device),
                            weight_bytes=weights.nbytes(), kv_bytes_per_token=pool.bytes_per_token())
         runner = cls(weights, arch, pool, blocks, facts, device)
         runner.fused = fuse_int4(weights, pool, arch) if int4 else None

@@ -68,7 +68,7 @@ def _torch_runner(cfg: ModelServiceConfig, device: str) -> BatchRunner:
         runner = PagedLlamaRunner.load(cfg.model, dtype, device, cfg.kv_pool_tokens, cfg.block_size,
                                        cfg.max_sessions, gpu_share_bytes(device, cfg.gpu_memory_fraction),
                                        cfg.gpu_activation_reserve, cfg.int4_head, cfg.cpu_kernels,
-                                       cfg.int4_activations, cfg.load_manifest)
+                                       cfg.int4_activations, cfg.load_manifest, cfg.keep_built_weights)
         if torch.device(device).type == "cuda" and cfg.cuda_graphs:
             runner.enable_graphs(GraphConfig(parse_sizes(cfg.cuda_graph_batches, "cuda_graph_batches"),
                                              parse_sizes(cfg.cuda_graph_tokens, "cuda_graph_tokens")),

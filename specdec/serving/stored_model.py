@@ -22,9 +22,17 @@ built from it is the cold runner bit for bit (tests/test_stored_model.py).
 
 Only CPU loads of Hugging Face directories (and converted GGUF files) use it: not random
 models, not stored INT4 checkpoints (their codes are read separately), not GPUs.
+
+Next to a valid manifest the runner keeps what it built from the model (`built_file`,
+`keep_built`, `open_built`): packing and quantizing the matrices for specdec's kernels was most
+of a warm start. One file per set of build options (precision, head, kernels, activation bits),
+keyed by the manifest's key and the source of the modules that build and run the packed
+weights; its RoPE tables run to the manifest's length, and a load for a shorter context takes
+their first rows. At most MAX_BUILT are kept per directory, the least recently used dropped.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -45,6 +53,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # the modules whose code decides what a model's tensors become in the runner
 _SHAPING_SOURCES = ("stored_model.py", "paged_llama.py", "../hf_compat.py", "../models.py")
 PACKAGES = ("torch", "transformers", "safetensors")  # whose versions the manifest depends on
+# the modules whose code decides what built (packed, quantized) weights look like, and the kernels reading them
+_BUILD_SOURCES = ("cpu_gemm.py", "int4.py", "tensor_tree.py", "csrc")
+MAX_BUILT = 3  # built-weight files kept per model directory
 
 
 @functools.cache
@@ -54,6 +65,17 @@ def _code_hash() -> str:
     code = hashlib.sha256()
     for name in _SHAPING_SOURCES:
         code.update((here / name).read_bytes())
+    return code.hexdigest()
+
+
+@functools.cache
+def _build_hash() -> str:
+    here = Path(__file__).parent
+    code = hashlib.sha256()
+    for name in _BUILD_SOURCES:
+        for f in sorted((here / name).rglob("*")) if (here / name).is_dir() else [here / name]:
+            if f.is_file() and f.suffix in (".py", ".c", ".h"):
+                code.update(f.name.encode() + f.read_bytes())
     return code.hexdigest()
 
 
@@ -161,6 +183,9 @@ def _record(directory: Path, model: torch.nn.Module, tokenizer, dtype: str, posi
         models.write_atomically(out / rope, save({"cos": cos, "sin": sin}))
         manifest.update(rope_positions=n, rope_file=rope)
     models.write_atomically(out / MANIFEST_FILE, json.dumps(manifest))  # last: it marks the entry complete
+    if old is None:  # a new key: weights built under the old one are stale
+        for f in out.glob("built-*.safetensors"):
+            f.unlink(missing_ok=True)
     log.info("wrote the load manifest of %s (%s)", directory, "direct" if direct else "cold loads only")
     for f in out.glob("rope-*.safetensors"):  # tables an earlier manifest named
         if f.name != manifest.get("rope_file"):
@@ -281,3 +306,55 @@ def _open(directory: Path, manifest: dict, dtype: torch.dtype) -> StoredModel:
         rotary = _StoredRotary(st.get_tensor("cos"), st.get_tensor("sin"))
     setattr(root.walk(manifest["decoder"]), "rotary_emb", rotary)
     return StoredModel(manifest, root)
+
+
+# -- built weights -----------------------------------------------------------------------------------
+
+def built_file(src: models.ModelSource, options: dict) -> Path | None:
+    """Where the weights built from `src` with `options` are kept (the file may not exist yet);
+    None without a valid manifest of direct tensors."""
+    directory, manifest = _manifest_of(src)
+    if manifest is None or not manifest["direct"]:
+        return None
+    key = json.dumps({"manifest": manifest["key"], "build": _build_hash(), **options}, sort_keys=True, default=str)
+    return models.load_cache_dir(directory) / f"built-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+def open_built(path: Path | None, classes: dict[str, type]):
+    """The tree kept in `path` (tensor_tree), or None: no file, or one that cannot be read (then removed)."""
+    from specdec.serving import tensor_tree
+
+    if path is None or not path.exists():
+        return None
+    try:
+        tree = tensor_tree.load(path, classes)
+    except Exception:  # noqa: BLE001 - a cache: build the weights again
+        log.warning("could not read the built weights %s; building them again", path, exc_info=True)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        return None
+    with contextlib.suppress(OSError):  # a read-only cache is still read
+        path.touch()  # recently used: kept when others are dropped
+    return tree
+
+
+def _mtime_ns(f: Path) -> int:
+    try:
+        return f.stat().st_mtime_ns
+    except FileNotFoundError:  # dropped meanwhile by another process
+        return 0
+
+
+def keep_built(path: Path | None, tree, classes: dict[str, type]) -> None:
+    """Write `tree` to `path` and drop the least recently used files beyond MAX_BUILT. Never raises."""
+    from specdec.serving import tensor_tree
+
+    if path is None:
+        return
+    try:
+        models.write_atomically(path, tensor_tree.dumps(tree, classes))
+        built = sorted(path.parent.glob("built-*.safetensors"), key=_mtime_ns, reverse=True)
+        for old in built[MAX_BUILT:]:
+            old.unlink(missing_ok=True)
+    except Exception:  # noqa: BLE001 - the load itself has succeeded; the next one builds again
+        log.warning("could not keep the built weights in %s", path, exc_info=True)
