@@ -25,7 +25,8 @@ import torch
 
 from specdec.config import DraftConfig
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
-from specdec.sampling import SamplingParams, draft_token, make_generator
+from specdec.sampling import draft_token, make_generator
+from specdec.sampling_params import SamplingParams
 from specdec.serving.batch import BatchRunner, ModelFacts
 from specdec.serving.engine import PooledEngine
 from specdec.serving.jobs import Job

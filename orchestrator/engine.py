@@ -44,7 +44,7 @@ from specdec.config import OrchestratorConfig
 from specdec.errors import InvalidArgument, ResourceExhausted, RoundRejected, Unavailable
 from specdec.kchoice import PRIOR_ACCEPTANCE, AcceptanceHistory, CostModel
 from specdec.modes import Mode
-from specdec.sampling import SamplingParams, derive_seed
+from specdec.sampling_params import SamplingParams, derive_seed
 from specdec.stats import RoundRecord, Summary, summarize
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from specdec.config import OrchestratorConfig
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.modes import Mode
 from specdec.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS, Server, Servicer, add_servicer, boundary, sampling_from_proto
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, specdec_pb2, specdec_pb2_grpc
 
 log = logging.getLogger("specdec.orchestrator")

@@ -12,6 +12,9 @@ and the built weights: `built` (the defaults: load_manifest and keep_built_weigh
 (load_manifest off: through transformers). The table gives the median, min and max.
 `tokenizer` times `models.load_tokenizer` in a fresh process (after importing torch, as every
 service does), from the load cache's pickle (built, manifest) or through transformers (cold).
+`orchestrator-process` times what an orchestrator process loads before it serves (its modules,
+its tokenizer, one chat template) and adds its peak RSS (run it in a worktree of an older commit
+to compare; the orchestrator imported torch before 2026-12-07).
 `target-runner` and `draft-runner` time `runners.load_runner` alone in a fresh process (torch
 imported, one thread) and add its peak RSS; the built-weight files of the default model
 directory are listed at the end.
@@ -37,6 +40,11 @@ RUNNER_LOAD = ("import resource, time, torch; torch.set_num_threads(1); from spe
                "c.load_manifest, c.keep_built_weights = {manifest}, {built}; t = time.perf_counter(); "
                "runners.load_runner(c, 'cpu'); "
                "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+ORCHESTRATOR_LOAD = ("import resource, sys, time; t = time.perf_counter(); import orchestrator.server; "
+                     "from specdec import hf_compat, models; "
+                     "tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL), cached={cached}); "
+                     "hf_compat.chat_token_ids(tok, [dict(role='user', content='hi')]); "
+                     "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
 WAYS = ("built", "manifest", "cold")
 PEAK_RSS_MB: dict[tuple[str, str], list[float]] = {}
 
@@ -46,9 +54,10 @@ def start_seconds(service: str, way: str) -> float:
         code = TOKENIZER_LOAD.format(cached=way != "cold")
         return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                     check=True).stdout.split()[-1])
-    if service.endswith("-runner"):
-        code = RUNNER_LOAD.format(service=service.removesuffix("-runner"), manifest=way != "cold",
-                                  built=way == "built")
+    if service.endswith("-runner") or service == "orchestrator-process":
+        code = (ORCHESTRATOR_LOAD.format(cached=way != "cold") if service == "orchestrator-process" else
+                RUNNER_LOAD.format(service=service.removesuffix("-runner"), manifest=way != "cold",
+                                   built=way == "built"))
         seconds, rss = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                                  check=True).stdout.split()[-2:])
         PEAK_RSS_MB.setdefault((service, way), []).append(rss)
@@ -79,7 +88,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--services", default="target,draft,stack,tokenizer")
     args = ap.parse_args()
-    print("| start | from | median s | min | max | peak RSS MB (runners) |")
+    print("| start | from | median s | min | max | peak RSS MB |")
     print("|---|---|---|---|---|---|")
     for service in args.services.split(","):
         start_seconds(service, "built")  # untimed: writes the manifests and built weights if they are missing

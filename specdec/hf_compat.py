@@ -26,8 +26,10 @@ import inspect
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: the orchestrator uses this module's tokenizer calls without torch
+    import torch
 
 
 @lru_cache(maxsize=None)
@@ -88,6 +90,7 @@ def rope_tables(model: torch.nn.Module, positions: int, dtype: torch.dtype,
     whose frequencies depend on the current sequence length (dynamic, longrope) are not
     position tables; callers must not use this for them.
     """
+    import torch
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     if rotary is None:
         raise ValueError(f"{type(model).__name__} has no decoder-level rotary_emb")
@@ -115,25 +118,28 @@ def chat_text(tokenizer, messages: list[dict]) -> str:
 # -- torch's private int4 / int8 weight-only ops (CPU) -----------------------------------------------------------------
 def int4_pack(codes: torch.Tensor) -> torch.Tensor:
     """codes [out, in] int32 in 0..15 -> torch's packed CPU int4 layout (opaque)."""
+    import torch
     return torch._convert_weight_to_int4pack_for_cpu(codes, 1)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
     """x [T, in] bf16 @ the packed weight, w = (q - 8) * scale + zero per group of `group` rows
     of `in`; scales_zeros [in/group, out, 2] bf16 -> [T, out] bf16."""
+    import torch
     return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [T, in] bf16 @ an int8 weight stored [out, in], w = code * scale per output row;
     scales [out] bf16 -> [T, out] bf16 (torch's private weight-only int8 op)."""
+    import torch
     return torch._weight_int8pack_mm(x, codes, scales)
 
 
 # -- compressed-tensors (INT4 W4A16 checkpoints: specdec/awq.py writes them, the paged runner reads them) --
 CT_DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-CT_SCALE_DTYPE = torch.bfloat16  # the checkpoint's scales: what the paged runner's int4 kernel takes, exactly
+CT_SCALE_DTYPE = "bfloat16"  # the checkpoint's scales: what the paged runner's int4 kernel takes, exactly
 
 
 def _ct_args(group_size: int, symmetric: bool):
@@ -145,6 +151,7 @@ def _ct_args(group_size: int, symmetric: bool):
 def ct_qparams(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> compressed-tensors' min/max scale and zero point per group, [out, in/G] each
     (scale rounded to CT_SCALE_DTYPE and back, so codes are computed with the scale that is stored)."""
+    import torch
     from compressed_tensors.quantization.utils import calculate_qparams
 
     out, k = w.shape
@@ -152,7 +159,7 @@ def ct_qparams(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch
         raise ValueError(f"{k} input features are not a multiple of the group size {group_size}")
     groups = w.detach().float().reshape(out, k // group_size, group_size)  # [out, in/G, G]
     scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), _ct_args(group_size, symmetric))
-    return scale.to(CT_SCALE_DTYPE).float(), zero  # [out, in/G] float32, [out, in/G] int8
+    return scale.to(getattr(torch, CT_SCALE_DTYPE)).float(), zero  # [out, in/G] float32, [out, in/G] int8
 
 
 def ct_fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
@@ -167,6 +174,7 @@ def ct_save_w4a16(model: torch.nn.Module, out: Path, group_size: int, symmetric:
     """Write a float HF model as a compressed-tensors `pack-quantized` W4A16 directory: the decoder
     layers' Linear weights packed by compressed-tensors' own compressor, the rest in bfloat16; the
     config's `quantization_config` as llm-compressor writes it (compressed-tensors' QuantizationConfig)."""
+    import torch
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
     from safetensors.torch import save_file
@@ -182,7 +190,7 @@ def ct_save_w4a16(model: torch.nn.Module, out: Path, group_size: int, symmetric:
             scale, zero = ct_qparams(t, group_size, symmetric)
             packed = PackedQuantizationCompressor.compress(
                 {"weight": t.float(), "weight_scale": scale, "weight_zero_point": zero}, scheme)
-            state.update({f"{module}.{k}": v.to(CT_SCALE_DTYPE) if k == "weight_scale" else v
+            state.update({f"{module}.{k}": v.to(getattr(torch, CT_SCALE_DTYPE)) if k == "weight_scale" else v
                           for k, v in packed.items()})
         elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
             state[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
@@ -226,6 +234,7 @@ def ct_read_w4a16(directory: Path, module: str, group_size: int, symmetric: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Linear of a pack-quantized checkpoint: (codes [out, in] int8 in -8..7, scale [out, in/G],
     zero point [out, in/G] int8), unpacked by compressed-tensors."""
+    import torch
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     t = _ct_tensors(directory, module)

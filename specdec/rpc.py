@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from specdec.aio import cancelled_by_caller
 from specdec.errors import SpecdecError
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)

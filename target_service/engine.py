@@ -22,7 +22,8 @@ import torch
 from specdec.acceptance import verify_drafts
 from specdec.config import TargetConfig
 from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingParams, make_generator, processed_probs, sample_index
+from specdec.sampling import make_generator, processed_probs, sample_index
+from specdec.sampling_params import SamplingParams
 from specdec.serving.batch import BatchRunner
 from specdec.serving.engine import PooledEngine
 from specdec.serving.jobs import Job

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from orchestrator.engine import DraftResult, TargetFacts, TargetOpenResult, VerifyResult
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 
 
 class LocalTargetSession:

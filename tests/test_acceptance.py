@@ -19,13 +19,13 @@ import torch
 from specdec.acceptance import VerifyOutcome, verify_drafts
 from specdec.errors import InvalidArgument
 from specdec.sampling import (
-    SamplingParams,
     dense_from_sparse,
     draft_token,
     make_generator,
     processed_probs,
     truncate_support,
 )
+from specdec.sampling_params import SamplingParams
 
 V = 8
 ALPHA = 1e-3  # seeds are fixed, so a pass/fail is reproducible; this only sets the power/robustness trade-off

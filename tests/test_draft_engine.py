@@ -11,7 +11,7 @@ import torch
 from draft_service.engine import DraftEngine, NgramDraftEngine
 from specdec.config import DraftConfig
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.serving.paged_llama import PagedLlamaRunner
 
 

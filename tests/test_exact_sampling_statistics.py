@@ -48,7 +48,8 @@ from specdec.modes import Mode
 from local_backends import LocalBackends
 from specdec.acceptance import VerifyOutcome
 from specdec.serving.paged_llama import PagedLlamaRunner
-from specdec.sampling import SamplingParams, processed_probs, sample_index
+from specdec.sampling import processed_probs, sample_index
+from specdec.sampling_params import SamplingParams
 from specdec.config import DraftConfig, OrchestratorConfig, TargetConfig
 from target_service.engine import TargetEngine
 

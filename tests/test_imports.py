@@ -266,3 +266,18 @@ def test_the_checks_fail_on_a_bad_tree(tmp_path):
     edges = import_edges(tmp_path)
     assert find_cycles(graph_of(edges)) == [["specdec.a", "specdec.b", "specdec.a"]]
     assert [(e.importer, e.imported) for e in lab_violations(edges)] == [("orchestrator.engine", "specdec.lab.bench")]
+
+
+def test_the_sdk_cli_and_orchestrator_run_without_torch():
+    """The client SDK, the command line and the orchestrator (with its tokenizer and chat
+    template) never import torch: a second and a few hundred MB they do not use."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import specdec, specdec.cli, orchestrator.server; from specdec import Client; "
+            "from specdec import hf_compat, models; "
+            "tok = models.load_tokenizer(models.resolve(models.DEFAULT_TARGET_MODEL)); "
+            "assert hf_compat.chat_token_ids(tok, [{'role': 'user', 'content': 'hi'}]); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split()[-1] == "False", out.stdout

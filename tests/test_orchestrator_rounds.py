@@ -391,7 +391,7 @@ def test_a_request_that_ends_while_its_draft_opens_closes_that_session():
 def test_a_sampled_request_waits_for_its_draft_so_its_rounds_depend_on_the_seed_alone():
     """A sampled request's first token does not wait for the draft either, but its first round
     does: whether a round drafts changes the random draws, so it must not depend on timing."""
-    from specdec.sampling import SamplingParams
+    from specdec.sampling_params import SamplingParams
 
     w = World(draft_open_s=0.2)
     tokens, rounds, _ = run(w, Mode.PIPELINED, n=20, sampling=SamplingParams(temperature=1.0))

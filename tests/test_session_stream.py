@@ -11,7 +11,7 @@ import pytest
 from fake_peers import ThreadedServer, add_draft
 from orchestrator.clients import GrpcDraftSession, Replica
 from specdec.rpc import StreamSession, serve_session
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
 

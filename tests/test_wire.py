@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import SamplingParams, draft_token
+from specdec.sampling import draft_token
+from specdec.sampling_params import SamplingParams
 from specdec.v1 import common_pb2, target_pb2
 
 
