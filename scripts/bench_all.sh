@@ -81,7 +81,7 @@ python scripts/round_anatomy_probe.py --reps 1 > docs/bench/round-anatomy-codes.
 PYTHONPATH=. python scripts/ttft_probe.py "$out/ttft-codes" > docs/bench/ttft-codes.json
 python scripts/draft_load_probe.py "$out/load-codes" --clients 1,8 --reps 2 --configs x16,panels \
   > docs/bench/load-codes-vs-panels.json
-# 6w. the concurrency sweep on the current defaults (~7 min), the runners' step costs (~3 min), the FMA ceiling (~2 min)
+# 6w. the concurrency sweep on the current defaults (~7 min), the runners' step costs (~3 min), the FMA ceiling (~2 min), the cores' shares (~3 min)
 specdec bench --concurrency 1,2,4,8,16 --max-tokens 128 --runs 3 --requests-per-client 1 --load-prompts 32 \
   --target-engines torch --load-peers llama-server --systems pipelined,sequential,target-only \
   --no-progress --out "$out/load-1207"
@@ -90,6 +90,7 @@ cp "$out/load-1207/load.md" docs/bench/load-2026-12-07.md
 cp "$out/load-1207/concurrency.png" docs/bench/concurrency-2026-12-07.png
 cp "$out/steps-1207/steps.md" docs/bench/steps-2026-12-07.md
 python scripts/flop_ceiling_probe.py --reps 3 --runs 5 > docs/bench/flop-ceiling.json
+python scripts/cpu_share_probe.py "$out/cpu-share" --clients 1,8,16 --reps 2 > docs/bench/cpu-share.json
 # 2. the full study on the default pair (BENCHMARKS.md §2, the same command): k 1,2,4,8,12,16 and
 #    adaptive k in both modes, target-only twice (the A/A control), outputs of 128 and 256 tokens, the
 #    target x draft temperature grid, acceptance by position, ideal bound and efficiency; one prompt
