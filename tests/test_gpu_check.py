@@ -138,3 +138,71 @@ def test_projection_reuses_the_expected_tokens_formula():
     k, e, ms, _ = p["pipelined (ideal)"]
     assert ms == max(verify[k], (k + 1) * 1.0)
     assert p["pipelined (with misses)"][3] <= p["pipelined (ideal)"][3]
+
+
+# The GPU image has no grpcio-health-checking or grpcio-reflection (README, "The device check"):
+# a sitecustomize that hides the installed copies stands in for it, and gpu_check.sh must install
+# the carried wheels (scripts/gpu_wheels.sh) for its run, the services it starts included.
+HIDE_INSTALLED = '''
+import importlib.machinery, sys
+
+class HideInstalled:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name not in ("grpc_health", "grpc_reflection"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if "-packages" not in p])
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden: the GPU image lacks it)", name=name)
+        return spec
+
+sys.meta_path.insert(0, HideInstalled())
+'''
+
+
+def _image_like_env(tmp_path: Path, wheels: Path) -> dict[str, str]:
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_INSTALLED)
+    return dict(os.environ, PYTHONPATH=str(hide), SPECDEC_GPU_WHEELS=str(wheels), TMPDIR=str(tmp_path),
+                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+
+
+def _wheel_of_installed(packages: list[str], out: Path, tmp_path: Path) -> None:
+    """A wheel of the installed copies of `packages` (as gpu_wheels.sh's would hold), built offline."""
+    import importlib
+
+    src = tmp_path / "wheel-src"
+    for name in packages:
+        shutil.copytree(Path(importlib.import_module(name).__file__).parent, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "image-lacks"\nversion = "0"\n'
+        f'[tool.setuptools]\npackages = {{find = {{include = {[p + "*" for p in packages]!r}}}}}\n'.replace("'", '"'))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(out), str(src)], check=True, capture_output=True, timeout=300)
+
+
+def test_gpu_check_without_grpc_health_and_no_wheels_says_what_to_carry(tmp_path):
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    r = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu", "--out",
+                        str(tmp_path / "gpu.md")], cwd=ROOT, env=_image_like_env(tmp_path, empty),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "scripts/gpu_wheels.sh" in r.stderr and not (tmp_path / "gpu.md").exists()
+
+
+def test_gpu_check_installs_the_carried_wheels_for_its_run(tmp_path):
+    wheels = tmp_path / "wheels"
+    _wheel_of_installed(["grpc_health", "grpc_reflection"], wheels, tmp_path)
+    out = tmp_path / "gpu.md"
+    r = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu", "--skip", "a,b,c,d,e",
+                        "--out", str(out)], cwd=ROOT, env=_image_like_env(tmp_path, wheels),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (tmp_path / "specdec-gpu-site" / "grpc_health").is_dir()
+    g = re.search(r"^## g\. .*?\n(.*?)(?=^## |\Z)", out.read_text(), flags=re.S | re.M).group(1)
+    checks = [row for row in _cells(g) if row[0] != "check"]  # the three services ran, isolation held
+    assert len(checks) == 6 and all(row[1] == "PASS" for row in checks), checks
