@@ -122,4 +122,5 @@ def process_memory_bytes(device: str = "cpu") -> dict:
 
         out["gpu_allocated_bytes"] = int(torch.cuda.memory_allocated())
         out["gpu_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["gpu_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())  # what the caching allocator holds
     return out

@@ -86,9 +86,9 @@ def test_gpu_check_tiny_on_the_cpu_writes_every_section_with_finite_numbers(tmp_
     assert re.search(r"\[\s*\d+\.\d+s\] done in", r.stderr)  # progress lines with elapsed seconds
     text = out.read_text()
     assert "FAILED" not in text and "Skipped" not in text
-    sections = dict(re.findall(r"^## ([a-g])\. .*?\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M))
-    assert sorted(sections) == list("abcdefg")
-    for letter in "abcdeg":  # each table with the command that made it on top
+    sections = dict(re.findall(r"^## ([a-h])\. .*?\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M))
+    assert sorted(sections) == list("abcdefgh")
+    for letter in "abcdegh":  # each table with the command that made it on top
         assert "Command: `python -m specdec.lab.gpu --tiny" in sections[letter]
 
     def table(letter: str) -> list[list[str]]:
@@ -121,6 +121,8 @@ def test_gpu_check_tiny_on_the_cpu_writes_every_section_with_finite_numbers(tmp_
         assert all(math.isfinite(_number(x)) and _number(x) > 0 for x in row[2:]), row
     g = [row for row in table("g") if row[0] != "check"]  # isolated pools: every check passes on the CPU too
     assert len(g) == 6 and all(row[1] == "PASS" for row in g), g
+    assert "MPS could not be started: nvidia-cuda-mps-control not found" in sections["h"]  # no MPS on the CPU
+    assert "expandable_segments: n/a on CPU" in sections["h"]
     assert sections["f"].count("n/a on CPU") == 3 and "FAIL" not in sections["f"]
     assert "isolation (g), every check: PASS" in sections["f"]
 
@@ -206,3 +208,46 @@ def test_gpu_check_installs_the_carried_wheels_for_its_run(tmp_path):
     g = re.search(r"^## g\. .*?\n(.*?)(?=^## |\Z)", out.read_text(), flags=re.S | re.M).group(1)
     checks = [row for row in _cells(g) if row[0] != "check"]  # the three services ran, isolation held
     assert len(checks) == 6 and all(row[1] == "PASS" for row in checks), checks
+
+
+FAKE_MPS_CONTROL = """#!/bin/sh
+# a stand-in for nvidia-cuda-mps-control: -d starts the daemon, commands come on stdin
+[ "$1" = "-d" ] && { touch "$CUDA_MPS_PIPE_DIRECTORY/daemon"; exit 0; }
+read cmd
+case "$cmd" in
+  get_server_list) [ -f "$CUDA_MPS_PIPE_DIRECTORY/daemon" ] && echo 4242; exit 0;;
+  quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/daemon"; touch "$CUDA_MPS_LOG_DIRECTORY/quit"; exit 0;;
+esac
+exit 1
+"""
+
+
+def test_gpu_check_runs_the_services_again_under_an_mps_daemon_and_stops_it(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-cuda-mps-control"
+    fake.write_text(FAKE_MPS_CONTROL)
+    fake.chmod(0o755)
+    out = tmp_path / "gpu.md"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--tiny", "--device", "cpu", "--skip", "a,b,c,e,g",
+                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    h = re.search(r"^## h\. .*?\n(.*?)(?=^## |\Z)", out.read_text(), flags=re.S | re.M).group(1)
+    assert "started (`nvidia-cuda-mps-control -d`)" in h and "MPS servers while the services ran: 4242" in h
+    rows = {row[0]: row for row in _cells(h) if row[0] in ("target-only", "sequential", "pipelined")}
+    assert sorted(rows) == ["pipelined", "sequential", "target-only"]
+    for row in rows.values():  # d's and MPS's ms per token, and their ratio
+        assert all(math.isfinite(_number(x)) and _number(x) > 0 for x in row[1:4]), row
+    assert "- MPS: pipelined is" in h and "- d: pipelined is" in h
+    assert len(list(tmp_path.glob("specdec-mps-*/log/quit"))) == 1  # the daemon was stopped
+
+
+def test_the_mps_and_allocator_runs_are_left_out_when_they_would_end_past_the_budget():
+    from specdec.lab.gpu import SERVICE_VARIANTS, Plan, Progress, run_variants
+
+    plan = Plan.make(tiny=True, device="cpu", budget_s=60)
+    runs = run_variants(plan, Progress(), d_seconds=1000)  # d took longer than the whole budget: nothing starts
+    assert runs["mps_start"] == "not tried"
+    assert all(runs[v]["error"].startswith("not run: it would end past the 60 s budget") for v in SERVICE_VARIANTS)

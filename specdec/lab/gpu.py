@@ -17,6 +17,10 @@ a Qwen2.5-7B bf16 target, a Qwen2.5-0.5B bf16 draft), and writes a Markdown repo
      request is refused with RESOURCE_EXHAUSTED and the draft still proposes; then the same with
      the draft's pool: a request is served target-only with the same tokens, and drafts again
      after; on a GPU also each service's peak allocated memory against its memory fraction;
+  h. the services of d again, under an MPS daemon of their own (`nvidia-cuda-mps-control -d`; why
+     not, if it cannot be started) and with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`
+     (GPU only): ms per token per mode and pipelined / sequential against d's run, and each
+     service's peak allocated and reserved GPU memory;
   f. the goals of the device: PASS / FAIL (isolation on any device).
 
 `--tiny` runs the same code at tiny shapes on the CPU in seconds (graphs replay eagerly there,
@@ -32,9 +36,13 @@ writes them under DIR; carry DIR and set SPECDEC_CACHE_DIR to it there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -307,8 +315,11 @@ def wait_draft(client, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def run_services(plan: Plan, progress: Progress) -> dict:
-    """Per mode: the rounds of `service_requests` requests; per service: its /metrics memory."""
+def run_services(plan: Plan, progress: Progress, ready_timeout_s: float | None = None, tag: str = "d",
+                 while_up: Callable[[], object] | None = None) -> dict:
+    """Per mode: the rounds of `service_requests` requests; per service: its /metrics memory;
+    `while_up()`'s result (called before the services stop) as 'while_up'. The services inherit
+    this process's environment (section h sets MPS's and the allocator's)."""
     from specdec.client import Client
     from specdec.lab.live import scrape_metrics
     from specdec.launcher import Stack
@@ -319,11 +330,11 @@ def run_services(plan: Plan, progress: Progress) -> dict:
     out: dict = {"modes": {}, "memory": {}, "log_dir": str(log_dir)}
     with Stack(cfg, log_dir).start() as stack:
         try:
-            stack.wait_ready(300 if plan.on_gpu else 240)
+            stack.wait_ready(ready_timeout_s or (300 if plan.on_gpu else 240))
         except Exception as e:  # noqa: BLE001 - the report says why
             tails = {s: stack.log(s)[-1500:] for s in ("target", "draft", "orchestrator")}
             raise RuntimeError(f"{e}\n" + "\n".join(f"--- {s} log:\n{t}" for s, t in tails.items())) from None
-        progress("d: services ready")
+        progress(f"{tag}: services ready")
         with Client(stack.address("orchestrator"), timeout=120) as client:
             wait_draft(client, 60)
             for mode in SERVICE_MODES:
@@ -333,13 +344,16 @@ def run_services(plan: Plan, progress: Progress) -> dict:
                 for _ in range(plan.service_requests):
                     rounds += client.complete(max_tokens=plan.service_tokens, **kw).rounds
                 out["modes"][mode] = rounds
-                progress(f"d: {mode}: {len(rounds)} rounds")
+                progress(f"{tag}: {mode}: {len(rounds)} rounds")
+        if while_up is not None:
+            out["while_up"] = while_up()
         for name in ("target", "draft", "orchestrator"):
             c = getattr(cfg, name)
             m = scrape_metrics(c.host, c.metrics_port)
             get = lambda n: m.get(f'specdec:{n}{{service="{name}"}}')  # noqa: E731
             out["memory"][name] = {
                 "peak_rss": get("memory_peak_rss_bytes"), "gpu_peak": get("memory_gpu_peak_allocated_bytes"),
+                "gpu_peak_reserved": get("memory_gpu_peak_reserved_bytes"),
                 "weights": get("memory_weight_bytes"), "kv_per_token": get("memory_kv_bytes_per_token"),
                 "kv_tokens": (get("kv_blocks_total") or 0) * (get("kv_block_size") or 0) or None}
     return out
@@ -515,6 +529,106 @@ def run_isolation(plan: Plan, progress: Progress) -> list[tuple[str, bool, str]]
 
 
 # ---------------------------------------------------------------------------------------------
+# h. overlap and the allocator: the services again under MPS, and with expandable_segments
+# ---------------------------------------------------------------------------------------------
+MPS_CONTROL = "nvidia-cuda-mps-control"
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+SERVICE_VARIANTS = ("MPS", "expandable_segments")
+END_SLACK_S = 50  # a variant may end this far past the budget (the whole check: under 8 minutes on a GPU)
+
+
+@contextlib.contextmanager
+def environment(overrides: dict[str, str]):
+    """os.environ with `overrides` (what the services started inside inherit), restored after."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def mps_control(env: dict[str, str], *args: str, command: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([shutil.which(MPS_CONTROL) or MPS_CONTROL, *args], input=command, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=20)
+
+
+def start_mps(work: Path) -> tuple[dict[str, str] | None, str]:
+    """Start an MPS control daemon of its own (pipe and log folders under `work`): (the clients'
+    environment, what happened), or (None, why not)."""
+    if shutil.which(MPS_CONTROL) is None:
+        return None, f"{MPS_CONTROL} not found"
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(work / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(work / "log")}
+    for d in env.values():
+        Path(d).mkdir(parents=True, exist_ok=True)
+    try:
+        r = mps_control(env, "-d")
+        if r.returncode != 0:
+            return None, f"{MPS_CONTROL} -d exited with {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
+        r = mps_control(env, command="get_server_list\n")
+        if r.returncode != 0:
+            stop_mps(env)
+            return None, f"the MPS daemon does not answer ({r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{MPS_CONTROL}: {e}"
+    return env, f"started (`{MPS_CONTROL} -d`)"
+
+
+def mps_servers(env: dict[str, str]) -> list[str]:
+    """The MPS servers the daemon runs (one appears once a client has connected)."""
+    r = mps_control(env, command="get_server_list\n")
+    return r.stdout.split() if r.returncode == 0 else []
+
+
+def stop_mps(env: dict[str, str]) -> None:
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        mps_control(env, command="quit\n")
+
+
+def run_variants(plan: Plan, progress: Progress, d_seconds: float) -> dict:
+    """The services of d again, once under MPS (if a daemon can be started) and once with
+    expandable_segments (on a GPU): {variant: run_services(...) result, or {'error': why}}. A
+    variant that would end more than END_SLACK_S past the budget (d took `d_seconds`) is left out."""
+    out: dict = {}
+    late = lambda: progress.elapsed() + d_seconds > plan.budget_s + END_SLACK_S  # noqa: E731
+    if late():
+        return {"mps_start": "not tried", **{v: {"error": f"not run: it would end past the {plan.budget_s:.0f} s "
+                                                        f"budget (+{END_SLACK_S} s)"} for v in SERVICE_VARIANTS}}
+    work = Path(tempfile.mkdtemp(prefix="specdec-mps-"))
+    env, how = start_mps(work)
+    out["mps_start"] = how
+    progress(f"h: MPS {how}")
+    if env is None:
+        out["MPS"] = {"error": f"MPS could not be started: {how}"}
+    else:
+        try:
+            with environment(env):
+                out["MPS"] = run_services(plan, progress, ready_timeout_s=120 if plan.on_gpu else 60, tag="h: MPS",
+                                          while_up=lambda: mps_servers(env))
+        except Exception as e:  # noqa: BLE001 - the report says why; the daemon is stopped
+            out["MPS"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        finally:
+            stop_mps(env)
+    if plan.on_gpu and late():
+        out["expandable_segments"] = {"error": f"not run: it would end past the {plan.budget_s:.0f} s budget "
+                                               f"(+{END_SLACK_S} s)"}
+    elif plan.on_gpu:
+        try:
+            with environment(EXPANDABLE):
+                out["expandable_segments"] = run_services(plan, progress, ready_timeout_s=120,
+                                                          tag="h: expandable_segments")
+        except Exception as e:  # noqa: BLE001
+            out["expandable_segments"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    else:
+        out["expandable_segments"] = {"error": "n/a on CPU (a setting of CUDA's caching allocator)"}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # e. projection
 # ---------------------------------------------------------------------------------------------
 def projection(verify_ms: dict[int, float], draft_ms: float, accept: list[float] = ACCEPT_BY_POSITION) -> dict:
@@ -563,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip sections that would start after this many seconds (420 on a GPU, 300 with --tiny)")
-    ap.add_argument("--skip", default="", help="sections to skip, e.g. 'd' (comma-separated letters a-e, g)")
+    ap.add_argument("--skip", default="", help="sections to skip, e.g. 'd' (comma-separated letters a-e, g, h)")
     ap.add_argument("--prepare", action="store_true",
                     help="only write the random model folders under $SPECDEC_CACHE_DIR (for a machine without "
                          "the packaged tokenizer) and exit")
@@ -681,7 +795,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- d ----------------------------------------------------------------------------------
     def section_d() -> list[str]:
+        t0 = progress.elapsed()
         res = run_services(plan, progress)
+        state.update(services=res, services_s=progress.elapsed() - t0)
         where = (f"cuda, gpu_memory_fraction {plan.fractions[0]} / {plan.fractions[1]}, "
                  + ("KV pools of 4096 tokens" if plan.tiny else "KV pools sized from the share")
                  if plan.on_gpu else "cpu, unpinned, KV pools of 4096 tokens")
@@ -740,6 +856,52 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |" for name, ok, detail in checks]
         return lines
 
+    # -- h ----------------------------------------------------------------------------------
+    def section_h() -> list[str]:
+        base = state.get("services")
+        if not base:  # d skipped or failed: nothing to compare with, and no device time to spend
+            return ["Not run: it compares with d's run of the services, which did not complete."]
+        runs = run_variants(plan, progress, state["services_s"])
+        lines = [report.table_intro(
+            "d's services and requests again, under an MPS daemon of their own "
+            f"(`{MPS_CONTROL} -d`: {runs['mps_start']}) and with "
+            "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`; ms per token (round ms / tokens, as in d) "
+            "and pipelined / sequential against d's run without either"), "",
+                 "| mode | d: ms / token | MPS: ms / token | MPS / d | expandable_segments: ms / token | "
+                 "expandable / d |", "|---|---|---|---|---|---|"]
+        per = {v: (runs[v] if "error" not in runs[v] else None) for v in SERVICE_VARIANTS}
+
+        def ms(res, mode):
+            return round_summary(res["modes"][mode])["ms_per_token"] if res else None
+
+        for mode in SERVICE_MODES:
+            b, m, x = ms(base, mode), ms(per["MPS"], mode), ms(per["expandable_segments"], mode)
+            lines.append(f"| {mode} | {fmt(b)} | {fmt(m)} | {fmt(m / b if m and b else None)} | {fmt(x)} | "
+                         f"{fmt(x / b if x and b else None)} |")
+        lines.append("")
+        for name, res in (("d", base), ("MPS", per["MPS"]), ("expandable_segments", per["expandable_segments"])):
+            if res:
+                gain = ms(res, "sequential") / ms(res, "pipelined")
+                lines.append(f"- {name}: pipelined is {fmt(gain)}x sequential per token.")
+        for v in SERVICE_VARIANTS:
+            if per[v] is None:
+                lines.append(f"- {v}: {runs[v]['error']}")
+        if per["MPS"] is not None:
+            servers = per["MPS"].get("while_up") or []
+            lines.append(f"- MPS servers while the services ran: {', '.join(servers) if servers else 'none'}"
+                         + ("" if servers else " (the services did not go through MPS)"))
+        mib = lambda v: fmt(v / 2**20, 0) if v else "n/a"  # noqa: E731
+        lines += ["", "GPU memory of each service, MiB (peak allocated / peak reserved by torch's caching "
+                  "allocator: reserved beyond allocated is what fragmentation costs):", "",
+                  "| service | d | MPS | expandable_segments |", "|---|---|---|---|"]
+        for name in ("target", "draft"):
+            cells = []
+            for res in (base, per["MPS"], per["expandable_segments"]):
+                m = (res or {}).get("memory", {}).get(name, {})
+                cells.append(f"{mib(m.get('gpu_peak'))} / {mib(m.get('gpu_peak_reserved'))}" if res else "n/a")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        return lines
+
     # -- f ----------------------------------------------------------------------------------
     def goals() -> list[str]:
         lines = ["## f. Goals", ""]
@@ -779,6 +941,7 @@ def main(argv: list[str] | None = None) -> int:
     section("d", "Through the real services", section_d)
     section("e", "Projected tok/s for the pair", section_e)
     section("g", "Isolated pools: one service's full pool does not stop the other", section_g)
+    section("h", "Overlap and the allocator on one GPU: MPS and expandable_segments", section_h)
     report.add(goals())
     total = progress.elapsed()
     status = f"failed sections: {', '.join(report.failed)}" if report.failed else "all sections ran"
