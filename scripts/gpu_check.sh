@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device check of issue 12 (specdec/lab/gpu.py): bandwidth and the step floor, the target's
-# T(k) eager and with CUDA graphs, graphs on/off, the three services, projected tok/s, the goals.
+# T(k) eager and with CUDA graphs, graphs on/off, the three services, projected tok/s, isolated pools,
+# the services again under MPS and with expandable_segments, the goals.
 #   scripts/gpu_check.sh                      # on the GPU machine (under 8 minutes); docs/bench/gpu.md
 #   scripts/gpu_check.sh --out $OUT/gpu.md    # elsewhere
 #   scripts/gpu_check.sh --tiny               # tiny shapes on the CPU, seconds (tests/test_gpu_check.py)
