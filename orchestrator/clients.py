@@ -544,11 +544,18 @@ class GrpcBackends:
             raise Unavailable(f"no target service at {self.target_address!r}")
         return self._target_session(replica, sid, deadline)
 
-    def replacement_target_session(self, failed: list[GrpcTargetSession], sid: str,
-                                   deadline: float | None) -> GrpcTargetSession | None:
+    async def replacement_target_session(self, failed: list[GrpcTargetSession], sid: str,
+                                         deadline: float | None) -> GrpcTargetSession | None:
         """A session on another target replica that answers, for a request whose target failed
-        (ReplicaSet.pick_replacement); None when there is none."""
-        replica = self.targets.pick_replacement([s.replica.address for s in failed])
+        (ReplicaSet.pick_replacement); None when there is none. When none is known to answer, the
+        replicas are probed once first: one restarted since the last probe takes the request
+        rather than the request failing (CI saw that race: a replica back for under a probe
+        interval when the other was killed)."""
+        left = [s.replica.address for s in failed]
+        replica = self.targets.pick_replacement(left)
+        if replica is None:
+            await self._probe_targets()
+            replica = self.targets.pick_replacement(left)
         return None if replica is None else self._target_session(replica, sid, deadline)
 
     def new_draft_session(self, sid: str, deadline: float | None) -> GrpcDraftSession | None:

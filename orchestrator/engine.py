@@ -133,8 +133,8 @@ class Backends(Protocol):
 
     def new_target_session(self, session_id: str, deadline: float | None) -> TargetSession: ...
 
-    def replacement_target_session(self, failed: list[TargetSession], session_id: str,
-                                   deadline: float | None) -> TargetSession | None:
+    async def replacement_target_session(self, failed: list[TargetSession], session_id: str,
+                                         deadline: float | None) -> TargetSession | None:
         """A session on another target replica, not one of those `failed`; None when there is none."""
 
     def new_draft_session(self, session_id: str, deadline: float | None) -> DraftSession | None:
@@ -409,8 +409,8 @@ class Orchestrator:
         if len(run.failed_targets) >= MAX_TARGET_MOVES:
             raise error
         run.failed_targets.append(run.target)
-        new = self.backends.replacement_target_session(run.failed_targets, f"{run.sid}-t{len(run.failed_targets)}",
-                                                       run.req.deadline)
+        new = await self.backends.replacement_target_session(run.failed_targets,
+                                                             f"{run.sid}-t{len(run.failed_targets)}", run.req.deadline)
         if new is None:
             raise error
         log.warning("target failed for request %s (%s); moving it to another replica with %d committed tokens",

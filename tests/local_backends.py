@@ -62,7 +62,7 @@ class LocalBackends:
     def new_target_session(self, sid, deadline=None):
         return LocalTargetSession(self.target_engine, sid)
 
-    def replacement_target_session(self, failed, sid, deadline=None):
+    async def replacement_target_session(self, failed, sid, deadline=None):
         return None  # one target engine
 
     def new_draft_session(self, sid, deadline=None):

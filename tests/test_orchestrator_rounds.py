@@ -150,7 +150,7 @@ class World:
         self.targets.append(FakeTarget(self))
         return self.targets[-1]
 
-    def replacement_target_session(self, failed, sid, deadline):
+    async def replacement_target_session(self, failed, sid, deadline):
         if len(failed) >= self.target_replicas:
             return None
         return self.new_target_session(sid, deadline)

@@ -126,3 +126,48 @@ def test_replicas_that_leave_the_dns_answer_are_retired_once_their_sessions_end(
         await rs.resolve()
         assert gone.channel.closed
     asyncio.run(go())
+
+
+def test_a_replica_back_since_the_last_probe_takes_over_a_failed_request():
+    """A request's target fails while the only other replica has restarted but not been probed
+    since (its last probe failed): the backends probe once before giving up, and move the
+    request there. With nothing answering, there is no replacement (the client gets UNAVAILABLE)."""
+    import inspect
+    from types import SimpleNamespace
+
+    import grpc
+
+    from orchestrator.clients import GrpcBackends
+    from specdec.v1 import common_pb2
+
+    info = common_pb2.ModelInfo(tokenizer_fingerprint="f", vocab_size=10)
+
+    class Answers:
+        async def Info(self, request, timeout=None):
+            return info
+
+    class Down:
+        async def Info(self, request, timeout=None):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "connection refused")
+
+    async def replacement(b, failed):
+        found = b.replacement_target_session(failed, "r-t1", None)
+        return await found if inspect.isawaitable(found) else found
+
+    async def go():
+        b = GrpcBackends("127.0.0.1:1,127.0.0.1:2", "", probe_interval_s=60)
+        b._target_session = lambda replica, sid, deadline: SimpleNamespace(replica=replica)  # no stream opened
+        first, other = b.targets.replicas.values()
+        first.stub = other.stub = Answers()
+        await b._probe_targets()
+        other.up = False  # restarted: its last probe failed, the next one is a probe interval away
+        b.targets.eject(first, RuntimeError("killed mid-request"))
+        failed = [SimpleNamespace(replica=first)]
+        moved = await replacement(b, failed)
+        assert moved is not None and moved.replica is other
+        other.up, other.stub = False, Down()  # really down: no replacement
+        assert await replacement(b, failed) is None
+        await b.close()
+
+    asyncio.run(go())

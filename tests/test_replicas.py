@@ -124,20 +124,24 @@ def wait_all_zero(stack: TwoTargets, within_s: float) -> dict[str, float]:
 @pytest.mark.parametrize("mode", LABELS)
 def test_a_target_killed_mid_request_moves_it_to_the_other_replica_and_changes_nothing(replicas, mode):
     stack = replicas
-    with Client(stack.address("orchestrator"), timeout=120) as c:
-        reference = c.complete(token_ids=PROMPT, max_tokens=300, ignore_eos=True, mode="target-only").token_ids
-        tokens, summary = [], None
-        for i, chunk in enumerate(c.generate(token_ids=PROMPT, max_tokens=300, ignore_eos=True, mode=mode, k=4)):
-            tokens += chunk.token_ids
-            if i == 3:
-                victim = serving(stack)
-                stack.stop_service(victim, signal.SIGKILL)
-            if chunk.HasField("summary"):
-                summary = chunk.summary
-    assert tokens == reference
-    assert summary.target_moves == 1
-    stack.start_service(victim)
-    stack.wait_ready(120, [victim])
+    victim = None
+    try:
+        with Client(stack.address("orchestrator"), timeout=120) as c:
+            reference = c.complete(token_ids=PROMPT, max_tokens=300, ignore_eos=True, mode="target-only").token_ids
+            tokens, summary = [], None
+            for i, chunk in enumerate(c.generate(token_ids=PROMPT, max_tokens=300, ignore_eos=True, mode=mode, k=4)):
+                tokens += chunk.token_ids
+                if i == 3:
+                    victim = serving(stack)
+                    stack.stop_service(victim, signal.SIGKILL)
+                if chunk.HasField("summary"):
+                    summary = chunk.summary
+        assert tokens == reference
+        assert summary.target_moves == 1
+    finally:  # the next tests need both replicas, whatever happened here
+        if victim is not None:
+            stack.start_service(victim)
+            stack.wait_ready(120, [victim])
     g = wait_all_zero(stack, 2.0)
     assert not any(g.values()), g
 
