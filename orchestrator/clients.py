@@ -390,6 +390,11 @@ class ReplicaSet:
             await r.channel.close()
 
 
+# How long a failover waits for another target replica's channel to reconnect when none answered
+# the last probe: the channels retry at most every 1 s (rpc.CHANNEL_OPTIONS), plus jitter.
+FAILOVER_PROBE_S = 2.0
+
+
 class GrpcBackends:
     """The target and draft replicas, and whether each is up.
 
@@ -457,9 +462,12 @@ class GrpcBackends:
     async def _probe_targets(self) -> None:
         await asyncio.gather(*(self._probe_target(r) for r in list(self.targets.replicas.values())))
 
-    async def _probe_target(self, r: Replica) -> None:
+    async def _probe_target(self, r: Replica, wait_s: float | None = None) -> None:
+        """Info from `r`: failing fast while its channel is not connected, or with `wait_s`
+        waiting up to that long for the channel to (re)connect."""
         try:
-            info = await r.stub.Info(common_pb2.InfoRequest(), timeout=2.0)
+            info = await (r.stub.Info(common_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True) if wait_s
+                          else r.stub.Info(common_pb2.InfoRequest(), timeout=2.0))
         except grpc.aio.AioRpcError as e:
             r.up, r.problem = False, f"the target service at {r.address} does not answer ({e.code().name})"
             return
@@ -548,14 +556,18 @@ class GrpcBackends:
                                          deadline: float | None) -> GrpcTargetSession | None:
         """A session on another target replica that answers, for a request whose target failed
         (ReplicaSet.pick_replacement); None when there is none. When none is known to answer, the
-        replicas are probed once first: one restarted since the last probe takes the request
-        rather than the request failing (CI saw that race: a replica back for under a probe
-        interval when the other was killed)."""
+        others are probed first, each waiting up to FAILOVER_PROBE_S (never past the request's
+        deadline) for its channel to reconnect: a replica restarted since the last probe takes
+        the request rather than the request failing. (CI saw it fail: the other replica had been
+        ready for 1.0 s, but its channel was still in reconnect backoff, so probes failed fast.)"""
         left = [s.replica.address for s in failed]
         replica = self.targets.pick_replacement(left)
         if replica is None:
-            await self._probe_targets()
-            replica = self.targets.pick_replacement(left)
+            wait_s = FAILOVER_PROBE_S if deadline is None else min(FAILOVER_PROBE_S, deadline - time.monotonic())
+            others = [r for r in self.targets.replicas.values() if r.address != left[-1]]
+            if wait_s > 0 and others:
+                await asyncio.gather(*(self._probe_target(r, wait_s) for r in others))
+                replica = self.targets.pick_replacement(left)
         return None if replica is None else self._target_session(replica, sid, deadline)
 
     def new_draft_session(self, sid: str, deadline: float | None) -> GrpcDraftSession | None:

@@ -129,9 +129,10 @@ def test_replicas_that_leave_the_dns_answer_are_retired_once_their_sessions_end(
 
 
 def test_a_replica_back_since_the_last_probe_takes_over_a_failed_request():
-    """A request's target fails while the only other replica has restarted but not been probed
-    since (its last probe failed): the backends probe once before giving up, and move the
-    request there. With nothing answering, there is no replacement (the client gets UNAVAILABLE)."""
+    """A request's target fails while the only other replica has restarted but was down at the
+    last probe, and its channel is still in reconnect backoff (a quick probe fails, one that waits
+    for the channel answers): the failover waits for it (FAILOVER_PROBE_S) and moves the request
+    there. With nothing answering, there is no replacement (the client gets UNAVAILABLE)."""
     import inspect
     from types import SimpleNamespace
 
@@ -141,15 +142,22 @@ def test_a_replica_back_since_the_last_probe_takes_over_a_failed_request():
     from specdec.v1 import common_pb2
 
     info = common_pb2.ModelInfo(tokenizer_fingerprint="f", vocab_size=10)
+    refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "connection refused")
 
     class Answers:
-        async def Info(self, request, timeout=None):
+        async def Info(self, request, timeout=None, wait_for_ready=None):
+            return info
+
+    class Reconnecting:  # back, but its channel retries only after a backoff
+        async def Info(self, request, timeout=None, wait_for_ready=None):
+            if not wait_for_ready:
+                raise refused
             return info
 
     class Down:
-        async def Info(self, request, timeout=None):
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "connection refused")
+        async def Info(self, request, timeout=None, wait_for_ready=None):
+            raise refused
 
     async def replacement(b, failed):
         found = b.replacement_target_session(failed, "r-t1", None)
@@ -161,8 +169,11 @@ def test_a_replica_back_since_the_last_probe_takes_over_a_failed_request():
         first, other = b.targets.replicas.values()
         first.stub = other.stub = Answers()
         await b._probe_targets()
-        other.up = False  # restarted: its last probe failed, the next one is a probe interval away
+        other.up, other.stub = False, Reconnecting()  # restarted: down at the last probe, channel in backoff
+        await b._probe_targets()  # a regular probe fails fast: still down
+        assert not other.up
         b.targets.eject(first, RuntimeError("killed mid-request"))
+        first.stub = Down()
         failed = [SimpleNamespace(replica=first)]
         moved = await replacement(b, failed)
         assert moved is not None and moved.replica is other
