@@ -465,9 +465,9 @@ class GrpcBackends:
     async def _probe_target(self, r: Replica, wait_s: float | None = None) -> None:
         """Info from `r`: failing fast while its channel is not connected, or with `wait_s`
         waiting up to that long for the channel to (re)connect."""
+        call = dict(timeout=wait_s, wait_for_ready=True) if wait_s else dict(timeout=2.0)
         try:
-            info = await (r.stub.Info(common_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True) if wait_s
-                          else r.stub.Info(common_pb2.InfoRequest(), timeout=2.0))
+            info = await r.stub.Info(common_pb2.InfoRequest(), **call)
         except grpc.aio.AioRpcError as e:
             r.up, r.problem = False, f"the target service at {r.address} does not answer ({e.code().name})"
             return

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, ".")
+from specdec.serving import cpu_gemm  # noqa: E402  (its compiler choice: $CC, cc or gcc)
 
 PEAK_C = r"""
 #include <immintrin.h>
@@ -67,7 +68,7 @@ def fma_peak(reps: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         src, exe = Path(d) / "peak.c", Path(d) / "peak"
         src.write_text(PEAK_C)
-        subprocess.run([os.environ.get("CC", "cc"), "-O3", "-march=native", str(src), "-o", str(exe)], check=True)
+        subprocess.run([cpu_gemm._compiler() or "cc", "-O3", "-march=native", str(src), "-o", str(exe)], check=True)
         runs = [subprocess.run(["taskset", "-c", "0", str(exe)], capture_output=True, text=True, check=True).stdout.split()
                 for _ in range(reps)]
     gflops = [float(r[0]) for r in runs]

@@ -593,38 +593,33 @@ def run_variants(plan: Plan, progress: Progress, d_seconds: float) -> dict:
     """The services of d again, once under MPS (if a daemon can be started) and once with
     expandable_segments (on a GPU): {variant: run_services(...) result, or {'error': why}}. A
     variant that would end more than END_SLACK_S past the budget (d took `d_seconds`) is left out."""
-    out: dict = {}
     late = lambda: progress.elapsed() + d_seconds > plan.budget_s + END_SLACK_S  # noqa: E731
+    too_late = {"error": f"not run: it would end past the {plan.budget_s:.0f} s budget (+{END_SLACK_S} s)"}
     if late():
-        return {"mps_start": "not tried", **{v: {"error": f"not run: it would end past the {plan.budget_s:.0f} s "
-                                                        f"budget (+{END_SLACK_S} s)"} for v in SERVICE_VARIANTS}}
-    work = Path(tempfile.mkdtemp(prefix="specdec-mps-"))
-    env, how = start_mps(work)
-    out["mps_start"] = how
+        return {"mps_start": "not tried", **{v: too_late for v in SERVICE_VARIANTS}}
+
+    def run(variant: str, env: dict[str, str], while_up: Callable[[], object] | None = None) -> dict:
+        try:
+            with environment(env):
+                return run_services(plan, progress, ready_timeout_s=120 if plan.on_gpu else 60, tag=f"h: {variant}",
+                                    while_up=while_up)
+        except Exception as e:  # noqa: BLE001 - the report says why
+            return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+    env, how = start_mps(Path(tempfile.mkdtemp(prefix="specdec-mps-")))
+    out: dict = {"mps_start": how}
     progress(f"h: MPS {how}")
     if env is None:
         out["MPS"] = {"error": f"MPS could not be started: {how}"}
     else:
         try:
-            with environment(env):
-                out["MPS"] = run_services(plan, progress, ready_timeout_s=120 if plan.on_gpu else 60, tag="h: MPS",
-                                          while_up=lambda: mps_servers(env))
-        except Exception as e:  # noqa: BLE001 - the report says why; the daemon is stopped
-            out["MPS"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            out["MPS"] = run("MPS", env, while_up=lambda: mps_servers(env))
         finally:
             stop_mps(env)
-    if plan.on_gpu and late():
-        out["expandable_segments"] = {"error": f"not run: it would end past the {plan.budget_s:.0f} s budget "
-                                               f"(+{END_SLACK_S} s)"}
-    elif plan.on_gpu:
-        try:
-            with environment(EXPANDABLE):
-                out["expandable_segments"] = run_services(plan, progress, ready_timeout_s=120,
-                                                          tag="h: expandable_segments")
-        except Exception as e:  # noqa: BLE001
-            out["expandable_segments"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-    else:
+    if not plan.on_gpu:
         out["expandable_segments"] = {"error": "n/a on CPU (a setting of CUDA's caching allocator)"}
+    else:
+        out["expandable_segments"] = too_late if late() else run("expandable_segments", EXPANDABLE)
     return out
 
 
